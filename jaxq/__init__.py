@@ -1,0 +1,1 @@
+"""jaxq: a functional compiler toolkit whose IR is JAX's jaxpr."""
