@@ -1,1 +1,9 @@
 """jaxq: a functional compiler toolkit whose IR is JAX's jaxpr."""
+
+from jaxq import transform as transform
+from jaxq._program import Equation as Equation
+from jaxq._program import Program as Program
+from jaxq._program import TraceError as TraceError
+from jaxq._program import trace as trace
+
+__version__ = "0.1.0"

@@ -1,0 +1,128 @@
+"""Every touch of JAX internals, in one place.
+
+jaxq's IR is the jaxpr, whose classes and tracing helpers are only partly public. Everything jaxq needs
+beyond the public API is imported or wrapped here, so moving to a newer JAX (0.11+ merges ClosedJaxpr
+into Jaxpr and changes scan's params) is a change to this module alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax._src import source_info_util as _siu
+from jax.extend import core as jcore
+
+ClosedJaxpr = jcore.ClosedJaxpr
+Jaxpr = jcore.Jaxpr
+JaxprEqn = jcore.JaxprEqn
+Literal = jcore.Literal
+Var = jcore.Var
+DropVar = jcore.DropVar
+Primitive = jcore.Primitive
+check_jaxpr = jcore.check_jaxpr
+jaxpr_as_fun = jcore.jaxpr_as_fun
+new_jaxpr_eqn = jcore.new_jaxpr_eqn
+NameStack = _siu.NameStack
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def name_stack_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
+    """The equation's name stack as plain strings (transforms like ``jvp(...)`` wrap their scopes)."""
+    text = str(eqn.source_info.name_stack)
+    return tuple(text.split("/")) if text else ()
+
+
+def with_name_stack(eqn: JaxprEqn, scopes: tuple[str, ...]) -> JaxprEqn:
+    """A copy of ``eqn`` whose name stack is exactly ``scopes``."""
+    stack = NameStack()
+    for s in scopes:
+        stack = stack.extend(s)
+    return eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
+
+
+@contextlib.contextmanager
+def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
+    """Re-enter the source info (name stack, traceback) and context of ``eqn`` while re-binding it.
+
+    This is what keeps names and source locations through an interpret-and-retrace rewrite, exactly as
+    ``jax.core.eval_jaxpr`` does.
+    """
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def bind(eqn: JaxprEqn, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Bind ``eqn``'s primitive on ``invals`` with ``params``; always returns a list of outputs."""
+    prim = eqn.primitive
+    out = prim.bind(*invals, **prim.get_bind_params(params))
+    return list(out) if prim.multiple_results else [out]
+
+
+def read_atom(atom: Any, env: dict[Var, Any]) -> Any:
+    return atom.val if isinstance(atom, Literal) else env[atom]
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def is_dropvar(atom: Any) -> bool:
+    return isinstance(atom, DropVar)
+
+
+def trace_flat(fun: Any, in_avals: list[Any]) -> ClosedJaxpr:
+    """Trace ``fun(*flat_args) -> list`` at the given avals into a ClosedJaxpr."""
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in in_avals
+    ]
+    return jax.make_jaxpr(fun)(*specs)
+
+
+def remat_bind(params: dict[str, Any], inner: ClosedJaxpr, invals: list[Any]) -> list[Any]:
+    """Re-create a ``checkpoint`` (remat) call around a rewritten body.
+
+    remat's ``jaxpr`` param is an open Jaxpr, so a body that gained constants cannot be bound directly;
+    the public ``jax.checkpoint`` closes over them for us.
+    """
+    fun = jax.checkpoint(
+        jaxpr_as_fun(inner), prevent_cse=params["prevent_cse"], policy=params["policy"]
+    )
+    return list(fun(*invals))
+
+
+def close(jaxpr: Jaxpr) -> ClosedJaxpr:
+    return ClosedJaxpr(jaxpr, [])
+
+
+def subjaxpr_params(params: dict[str, Any]) -> list[tuple[str, int | None, Any]]:
+    """``(key, index, jaxpr)`` for every nested jaxpr in ``params`` (index set for tuples of jaxprs)."""
+    found = []
+    for key, val in params.items():
+        if isinstance(val, (Jaxpr, ClosedJaxpr)):
+            found.append((key, None, val))
+        elif (
+            isinstance(val, tuple) and val and all(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val)
+        ):
+            found.extend((key, i, v) for i, v in enumerate(val))
+    return found
+
+
+def as_closed(j: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
+    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, [])
+
+
+def make_jaxpr_eqn(
+    invars: list[Any], outvars: list[Any], prim: Primitive, params: dict[str, Any], like: JaxprEqn
+) -> JaxprEqn:
+    """A new equation carrying ``like``'s effects, source info and context."""
+    return new_jaxpr_eqn(invars, outvars, prim, params, like.effects, like.source_info, like.ctx)
+
+
+def new_var(aval: Any) -> Var:
+    return Var(aval)

@@ -1,0 +1,236 @@
+"""The IR: an immutable traced program (a ClosedJaxpr plus its calling convention and metadata)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxq import _compat as C
+from jaxq import _names
+from jaxq._layouts import layout_map
+
+_EMPTY: Mapping[str, Any] = types.MappingProxyType({})
+
+
+class TraceError(Exception):
+    """``jaxq.trace`` could not turn a function into a jaxpr."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Equation:
+    """One equation of a Program, as yielded by :meth:`Program.equations`."""
+
+    name: str
+    eqn: C.JaxprEqn
+    path: tuple[Any, ...]
+    in_layouts: tuple[str | None, ...]
+    out_layouts: tuple[str | None, ...]
+
+    @property
+    def primitive(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.eqn.params
+
+    @property
+    def in_avals(self) -> tuple[Any, ...]:
+        return tuple(v.aval for v in self.eqn.invars)
+
+    @property
+    def out_avals(self) -> tuple[Any, ...]:
+        return tuple(v.aval for v in self.eqn.outvars)
+
+    def __repr__(self) -> str:
+        return f"Equation({self.name!r}, {self.primitive})"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """An immutable traced program.
+
+    Attributes:
+      jaxpr: the ClosedJaxpr (the IR itself).
+      in_tree, out_tree: pytree structure of ``(args, kwargs)`` and of the result.
+      in_paths: readable names of the flat inputs (``args[0]['w']``), for error messages.
+      layouts: layout string per value (``NHWC``, ``HWIO``...) once ``infer_layouts`` has run, else None.
+      meta: free-form results that passes attach (calibrated scales, regions...).
+    """
+
+    jaxpr: C.ClosedJaxpr
+    in_tree: Any
+    out_tree: Any
+    in_paths: tuple[str, ...]
+    name: str = "program"
+    layouts: Mapping[C.Var, str] | None = None
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.as_fun()(*args, **kwargs)
+
+    def as_fun(self) -> Callable[..., Any]:
+        """An ordinary JAX function with the original signature (jit, vmap, grad, export accept it)."""
+        closed = self.jaxpr
+        run = C.jaxpr_as_fun(closed)
+
+        def fun(*args: Any, **kwargs: Any) -> Any:
+            flat = self.flatten_args(args, kwargs)
+            return jax.tree.unflatten(self.out_tree, run(*flat))
+
+        fun.__name__ = fun.__qualname__ = self.name
+        return fun
+
+    def flatten_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Flatten a call's arguments and check them against the traced signature."""
+        flat, tree = jax.tree.flatten((args, kwargs))
+        if tree != self.in_tree:
+            raise TypeError(
+                "Program called with arguments of a different structure than it was traced with.\n"
+                f"  traced: {self.in_tree}\n  got:    {tree}\n"
+                "Call it with the same positional/keyword structure, or trace it again."
+            )
+        bad = []
+        out = []
+        for path, x, aval in zip(self.in_paths, flat, self.jaxpr.in_avals, strict=True):
+            shape, dtype = jnp.shape(x), _dtype_of(x)
+            if isinstance(x, (int, float, bool, complex)) and shape == aval.shape:
+                x, dtype = jnp.asarray(x, aval.dtype), aval.dtype
+            if shape != aval.shape or dtype != aval.dtype:
+                got = f"{np.dtype(dtype).name}{list(shape)}"
+                bad.append(f"  {path}: expected {aval.str_short()}, got {got}")
+            out.append(x)
+        if bad:
+            raise TypeError(
+                "Program called with arguments that do not match the traced shapes/dtypes:\n"
+                + "\n".join(bad)
+                + "\nA Program is specialised to its example arguments; trace it again for new "
+                "shapes (jaxq.trace(f, *new_args))."
+            )
+        return out
+
+    # -- inspection -------------------------------------------------------------------------------
+    @functools.cached_property
+    def names(self) -> dict[tuple[Any, ...], str]:
+        """Stable name of every equation, keyed by its path (see :meth:`equations`)."""
+        return _names.equation_names(self.jaxpr.jaxpr)
+
+    def equations(self) -> Iterator[Equation]:
+        """Every equation in program order, nested ones (jit, scan, cond, ...) right after their
+        parent."""
+        lay = self.layouts or {}
+        for path, name, _, eqn in _names.walk_names(self.jaxpr.jaxpr):
+            yield Equation(
+                name,
+                eqn,
+                path,
+                tuple(None if C.is_literal(v) else lay.get(v) for v in eqn.invars),
+                tuple(lay.get(v) for v in eqn.outvars),
+            )
+
+    def equation(self, name: str) -> Equation:
+        for e in self.equations():
+            if e.name == name:
+                return e
+        raise KeyError(f"no equation named {name!r}; see [e.name for e in program.equations()]")
+
+    def __len__(self) -> int:
+        """Number of equations, nested ones included."""
+        return sum(1 for _ in _names.walk_names(self.jaxpr.jaxpr))
+
+    def replace(self, **changes: Any) -> Program:
+        return dataclasses.replace(self, **changes)
+
+    def with_jaxpr(self, jaxpr: C.ClosedJaxpr, **changes: Any) -> Program:
+        """A new Program around a rewritten jaxpr. Value metadata keyed by variables (layouts) refers
+        to the old jaxpr, so it is recomputed when the old program had it."""
+        new = dataclasses.replace(self, jaxpr=jaxpr, layouts=None, **changes)
+        if self.layouts is not None and "layouts" not in changes:
+            new = dataclasses.replace(new, layouts=layout_map(jaxpr))
+        return new
+
+    def __str__(self) -> str:
+        from jaxq._printer import format_program  # the printer reads Programs: import at use
+
+        return format_program(self)
+
+    def __repr__(self) -> str:
+        n = len(self.jaxpr.in_avals)
+        return f"<jaxq.Program: {len(self)} equations, {n} inputs, {len(self.jaxpr.out_avals)} outputs>"
+
+
+def _dtype_of(x: Any) -> Any:
+    if hasattr(x, "dtype"):
+        return x.dtype
+    return jnp.result_type(x)
+
+
+def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> Program:
+    """Trace ``f`` at the example arguments (arrays or ``jax.ShapeDtypeStruct``) into a Program."""
+    if not callable(f):
+        raise TypeError(f"jaxq.trace: expected a callable; got {type(f).__name__}")
+    leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(
+        (example_args, example_kwargs)
+    )
+    in_paths = tuple(_path_str(p) for p, _ in leaves_with_paths)
+    flat = [leaf for _, leaf in leaves_with_paths]
+    for path, leaf in zip(in_paths, flat, strict=True):
+        if not (isinstance(leaf, jax.ShapeDtypeStruct) or _is_arraylike(leaf)):
+            raise TypeError(
+                f"jaxq.trace: argument {path} is a {type(leaf).__name__}, not an array.\n"
+                "Only arrays (or jax.ShapeDtypeStruct) can be traced. Close over static values "
+                "instead: jaxq.trace(functools.partial(f, option=value), *arrays)."
+            )
+    out_tree_box: list[Any] = []
+
+    def flat_fun(*flat_args: Any) -> list[Any]:
+        args, kwargs = jax.tree.unflatten(in_tree, flat_args)
+        out_flat, out_tree = jax.tree.flatten(f(*args, **kwargs))
+        out_tree_box.append(out_tree)
+        return out_flat
+
+    name = getattr(f, "__name__", type(f).__name__)
+    try:
+        closed = jax.make_jaxpr(flat_fun)(*flat)
+    except jax.errors.JAXTypeError as e:
+        raise TraceError(
+            f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}\n"
+            "jaxq traces the function once with abstract values, so Python control flow on array "
+            "values cannot be traced. Use jax.lax.cond / jnp.where / jax.lax.while_loop for "
+            "value-dependent control flow, or close over the value if it is static."
+        ) from e
+    except Exception as e:
+        raise TraceError(f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}") from e
+    return Program(closed, in_tree, out_tree_box[-1], in_paths, name=_identifier(name))
+
+
+def _identifier(name: str) -> str:
+    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in name).strip("_")
+    return clean or "program"
+
+
+def _is_arraylike(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, complex)) or hasattr(
+        x, "__jax_array__"
+    )
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    # path[0] selects args (0) or kwargs (1)
+    head, rest = path[0], path[1:]
+    root = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    if root == "args" and rest:
+        first, rest = rest[0], rest[1:]
+        root = f"args[{first.idx}]"
+    elif root == "kwargs" and rest:
+        first, rest = rest[0], rest[1:]
+        root = str(first.key)
+    return root + jax.tree_util.keystr(tuple(rest))

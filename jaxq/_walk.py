@@ -1,0 +1,199 @@
+"""The one walker every pass uses.
+
+Two ways to rewrite a program, both recursing into nested jaxprs (jit, scan, cond, while, remat,
+custom_jvp_call, custom_vjp_call) and neither mutating its input:
+
+* :func:`rewrite` interprets the program and re-traces it, equation by equation, through a table of
+  rules ``primitive name -> rule``. An equation without a rule is re-bound unchanged. Re-tracing
+  keeps name stacks and source info (names survive) and lets a rule emit any JAX code.
+* :func:`map_equations` rebuilds jaxprs structurally, equation lists in, equation lists out. For
+  passes that move equations around without re-tracing them (outlining regions, renaming).
+
+Note: rewriting a custom_jvp/custom_vjp call rewrites its primal body, not its derivative rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxq import _compat as C
+
+if TYPE_CHECKING:
+    from jaxq._program import Program
+
+Path = tuple[Any, ...]
+
+
+class RewriteError(Exception):
+    """A rule failed; the message names the equation it failed on."""
+
+
+class Visit:
+    """What a rule sees: one equation of the program being rewritten."""
+
+    __slots__ = ("eqn", "name", "path", "_walker")
+
+    def __init__(self, eqn: C.JaxprEqn, name: str, path: Path, walker: _Walker) -> None:
+        self.eqn, self.name, self.path, self._walker = eqn, name, path, walker
+
+    @property
+    def primitive(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.eqn.params
+
+    @property
+    def in_layouts(self) -> tuple[str | None, ...]:
+        lay = self._walker.layouts
+        return tuple(None if C.is_literal(v) else lay.get(v) for v in self.eqn.invars)
+
+    @property
+    def out_layouts(self) -> tuple[str | None, ...]:
+        return tuple(self._walker.layouts.get(v) for v in self.eqn.outvars)
+
+    def bind(self, *invals: Any, **param_updates: Any) -> Any:
+        """Re-bind this equation on ``invals`` (with some params changed), rewriting its nested
+        jaxprs with the same rules. Returns what the primitive returns (a list if it has several
+        results)."""
+        outs = self._walker.default(self, list(invals), {**self.eqn.params, **param_updates})
+        return outs if self.eqn.primitive.multiple_results else outs[0]
+
+
+Rule = Callable[..., Any]
+"""``rule(visit, *invals) -> output`` (a sequence of outputs for multiple-result primitives)."""
+
+
+class _Walker:
+    def __init__(
+        self,
+        rules: Mapping[Any, Rule],
+        names: dict[Path, str],
+        layouts: Mapping[Any, str],
+        recurse: bool,
+    ) -> None:
+        self.rules = {getattr(k, "name", k): r for k, r in rules.items()}
+        self.names, self.layouts, self.recurse = names, layouts, recurse
+
+    def retrace(self, closed: C.ClosedJaxpr, path: Path) -> C.ClosedJaxpr:
+        def fun(*args: Any) -> list[Any]:
+            return self.eval(closed.jaxpr, closed.consts, args, path)
+
+        return C.trace_flat(fun, closed.in_avals)
+
+    def eval(self, jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[Any], path: Path) -> list:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for i, eqn in enumerate(jaxpr.eqns):
+            here = (*path, i)
+            visit = Visit(eqn, self.names[here], here, self)
+            invals = [C.read_atom(v, env) for v in eqn.invars]
+            rule = self.rules.get(eqn.primitive.name)
+            with C.eqn_context(eqn):
+                if rule is None:
+                    outs = self.default(visit, invals, eqn.params)
+                else:
+                    outs = self._apply(rule, visit, invals)
+            if len(outs) != len(eqn.outvars):
+                raise RewriteError(
+                    f"rule for {eqn.primitive.name} at {visit.name!r} returned {len(outs)} "
+                    f"outputs; the equation has {len(eqn.outvars)}"
+                )
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [C.read_atom(v, env) for v in jaxpr.outvars]
+
+    def _apply(self, rule: Rule, visit: Visit, invals: list[Any]) -> list[Any]:
+        try:
+            out = rule(visit, *invals)
+        except RewriteError:
+            raise
+        except Exception as e:
+            raise RewriteError(
+                f"rule for {visit.primitive} failed at equation {visit.name!r}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        return list(out) if visit.eqn.primitive.multiple_results else [out]
+
+    def default(self, visit: Visit, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+        eqn = visit.eqn
+        subs = C.subjaxpr_params(params) if self.recurse else []
+        if not subs:
+            return C.bind(eqn, invals, params)
+        new_params = dict(params)
+        remat_body = None
+        for key, idx, sub in subs:
+            label = key if idx is None else f"{key}[{idx}]"
+            new = self.retrace(C.as_closed(sub), (*visit.path, label))
+            if isinstance(sub, C.Jaxpr):  # open jaxpr param (remat): only if no constants appeared
+                if new.consts:
+                    remat_body = new
+                new = new.jaxpr
+            if idx is None:
+                new_params[key] = new
+            else:
+                seq = list(new_params[key])
+                seq[idx] = new
+                new_params[key] = tuple(seq)
+        if remat_body is not None:
+            if eqn.primitive.name != "remat2" and eqn.primitive.name != "checkpoint":
+                raise RewriteError(
+                    f"rewriting {visit.name!r} introduced constants into an open jaxpr param of "
+                    f"{eqn.primitive.name}, which jaxq cannot re-bind"
+                )
+            return C.remat_bind(params, remat_body, invals)
+        try:
+            return C.bind(eqn, invals, new_params)
+        except Exception as e:
+            raise RewriteError(
+                f"re-binding {eqn.primitive.name} at {visit.name!r} after rewriting its body failed "
+                f"(did a rule change the types inside a loop or a branch?): {type(e).__name__}: {e}"
+            ) from e
+
+
+def rewrite(program: Program, rules: Mapping[Any, Rule], *, recurse: bool = True) -> Program:
+    """Interpret ``program`` and re-trace it through ``rules`` (primitive or its name -> rule)."""
+    walker = _Walker(rules, program.names, program.layouts or {}, recurse)
+    return program.with_jaxpr(walker.retrace(program.jaxpr, ()))
+
+
+def map_equations(
+    program: Program, fn: Callable[[C.JaxprEqn, Path, str], list[C.JaxprEqn] | None]
+) -> Program:
+    """Structural rebuild: ``fn(eqn, path, name)`` returns replacement equations (None keeps it).
+
+    Nested jaxprs are rebuilt first, so ``fn`` sees an equation whose params hold the new bodies.
+    """
+    names = program.names
+
+    def rebuild(jaxpr: C.Jaxpr, path: Path) -> C.Jaxpr:
+        eqns: list[C.JaxprEqn] = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            here = (*path, i)
+            subs = C.subjaxpr_params(eqn.params)
+            if subs:
+                params = dict(eqn.params)
+                for key, idx, sub in subs:
+                    label = key if idx is None else f"{key}[{idx}]"
+                    inner = rebuild(
+                        sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub, (*here, label)
+                    )
+                    new = (
+                        C.ClosedJaxpr(inner, sub.consts)
+                        if isinstance(sub, C.ClosedJaxpr)
+                        else inner
+                    )
+                    if idx is None:
+                        params[key] = new
+                    else:
+                        seq = list(params[key])
+                        seq[idx] = new
+                        params[key] = tuple(seq)
+                eqn = eqn.replace(params=params)
+            out = fn(eqn, here, names[here])
+            eqns.extend([eqn] if out is None else out)
+        return jaxpr.replace(eqns=eqns)
+
+    closed = program.jaxpr
+    return program.with_jaxpr(C.ClosedJaxpr(rebuild(closed.jaxpr, ()), closed.consts))

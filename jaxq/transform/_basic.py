@@ -1,0 +1,50 @@
+"""Structural passes every pipeline builds on: identity rewrite, naming, layouts."""
+
+from __future__ import annotations
+
+from jaxq import _compat as C
+from jaxq import _names
+from jaxq._layouts import layout_map
+from jaxq._program import Program
+from jaxq._walk import map_equations, rewrite
+from jaxq.transform._pass import Pass, program_pass
+
+
+def identity() -> Pass:
+    """Interpret and re-trace the program unchanged (the walker with no rules)."""
+
+    @program_pass(name="identity")
+    def run(program: Program) -> Program:
+        return rewrite(program, {})
+
+    return run
+
+
+def name_expressions() -> Pass:
+    """Give every equation its stable, unique name for good (MSC-style naming).
+
+    Names come from the name stack (``CNN/Dense_0/dot_general``), with a suffix only where needed
+    (``.../add_1``). Baking them into the name stacks keeps them fixed through later passes that add
+    equations, and carries them into XLA's op metadata, so profiles map back to them.
+    """
+
+    @program_pass(name="name_expressions")
+    def run(program: Program) -> Program:
+        local = {path: loc for path, _, loc, _ in _names.walk_names(program.jaxpr.jaxpr)}
+
+        def bake(eqn: C.JaxprEqn, path: tuple, name: str) -> list[C.JaxprEqn]:
+            return [C.with_name_stack(eqn, tuple(local[path].split("/")))]
+
+        return map_equations(program, bake)
+
+    return run
+
+
+def infer_layouts() -> Pass:
+    """Attach the layout of every value that can be known (see ``jaxq._layouts``)."""
+
+    @program_pass(name="infer_layouts")
+    def run(program: Program) -> Program:
+        return program.replace(layouts=layout_map(program.jaxpr))
+
+    return run

@@ -1,0 +1,212 @@
+"""Passes: named, pure ``Program -> Program`` values that compose, run under a PassContext."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, overload
+
+from jaxq._program import Program
+
+
+class Pass:
+    """A named, pure ``Program -> Program`` transformation.
+
+    Subclasses implement :meth:`transform`. Calling a pass runs it under the current
+    :class:`PassContext`: it is skipped when its ``opt_level`` is above the context's or its name is
+    disabled (unless ``required``), and the context's instruments see it run.
+    """
+
+    name: str = "pass"
+    opt_level: int = 0
+    required: bool = False
+
+    def transform(self, program: Program) -> Program:
+        raise NotImplementedError
+
+    def __call__(self, program: Program) -> Program:
+        if not isinstance(program, Program):
+            raise TypeError(
+                f"pass {self.name!r} expects a jaxq.Program; got {type(program).__name__}. "
+                "Make one with jaxq.trace(f, *example_args)."
+            )
+        ctx = PassContext.current()
+        if not ctx.should_run(self):
+            return program
+        return ctx.run(self, program)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, opt_level={self.opt_level})"
+
+
+class FunctionPass(Pass):
+    """A pass made from a function by :func:`program_pass`."""
+
+    def __init__(
+        self,
+        fn: Callable[[Program], Program],
+        name: str,
+        opt_level: int = 0,
+        required: bool = False,
+    ) -> None:
+        self.fn, self.name, self.opt_level, self.required = fn, name, opt_level, required
+
+    def transform(self, program: Program) -> Program:
+        out = self.fn(program)
+        if not isinstance(out, Program):
+            raise TypeError(f"pass {self.name!r} returned {type(out).__name__}, not a jaxq.Program")
+        return out
+
+
+@overload
+def program_pass(fn: Callable[[Program], Program]) -> FunctionPass: ...
+@overload
+def program_pass(
+    fn: None = None, *, name: str | None = None, opt_level: int = 0, required: bool = False
+) -> Callable[[Callable[[Program], Program]], FunctionPass]: ...
+
+
+def program_pass(
+    fn: Callable[[Program], Program] | None = None,
+    *,
+    name: str | None = None,
+    opt_level: int = 0,
+    required: bool = False,
+) -> Any:
+    """Turn ``fn: Program -> Program`` into a :class:`Pass`; usable bare or with options as a
+    decorator."""
+
+    def wrap(f: Callable[[Program], Program]) -> FunctionPass:
+        if not callable(f):
+            raise TypeError(f"program_pass: expected a function; got {type(f).__name__}")
+        return FunctionPass(f, name or getattr(f, "__name__", "pass"), opt_level, required)
+
+    return wrap if fn is None else wrap(fn)
+
+
+class Sequential(Pass):
+    """Passes run in order; itself a pass. Supports ``len``, iteration and slicing (a slice is a
+    Sequential), so a pipeline can be bisected: ``seq[:3](program)``."""
+
+    def __init__(
+        self,
+        passes: Iterable[Pass],
+        name: str | None = None,
+        opt_level: int = 0,
+        required: bool = False,
+    ) -> None:
+        passes = tuple(passes)
+        for i, p in enumerate(passes):
+            if not isinstance(p, Pass):
+                hint = (
+                    " (a function? wrap it with jaxq.transform.program_pass)" if callable(p) else ""
+                )
+                raise TypeError(
+                    f"Sequential: item {i} is {p!r} of type {type(p).__name__}, not a Pass{hint}"
+                )
+        self.passes = passes
+        self.name = name or "sequential"
+        self.opt_level, self.required = opt_level, required
+
+    def transform(self, program: Program) -> Program:
+        for p in self.passes:
+            program = p(program)
+        return program
+
+    def __len__(self) -> int:
+        return len(self.passes)
+
+    def __iter__(self) -> Iterator[Pass]:
+        return iter(self.passes)
+
+    @overload
+    def __getitem__(self, i: int) -> Pass: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequential: ...
+    def __getitem__(self, i: int | slice) -> Pass | Sequential:
+        if isinstance(i, slice):
+            return Sequential(self.passes[i], name=f"{self.name}[{i.start}:{i.stop}]")
+        return self.passes[i]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(p.name for p in self.passes)
+        return f"Sequential({self.name!r}, [{inner}])"
+
+
+_CURRENT: contextvars.ContextVar[PassContext | None] = contextvars.ContextVar(
+    "jaxq_pass_context", default=None
+)
+
+
+class PassContext:
+    """Options and instruments for the passes run inside it. A scoped context manager that nests
+    (the innermost wins); outside any ``with`` a default context (opt_level=2) applies.
+
+    Args:
+      opt_level: passes with a higher ``opt_level`` are skipped.
+      disabled: names of passes to skip.
+      config: pass options, e.g. ``{"quantize.calibrate.method": "percentile"}``.
+      instruments: objects with any of the hooks ``enter_pass_ctx()``, ``exit_pass_ctx()``,
+        ``run_before_pass(pass_, program)``, ``run_after_pass(pass_, before, after)``.
+    """
+
+    def __init__(
+        self,
+        opt_level: int = 2,
+        disabled: Iterable[str] = (),
+        config: Mapping[str, Any] | None = None,
+        instruments: Iterable[Any] = (),
+    ) -> None:
+        if isinstance(disabled, str):
+            raise TypeError(f"PassContext: disabled must be a sequence of names; got {disabled!r}")
+        self.opt_level = opt_level
+        self.disabled = frozenset(disabled)
+        self.config: Mapping[str, Any] = dict(config or {})
+        self.instruments = tuple(instruments)
+        self._tokens: list[contextvars.Token[PassContext | None]] = []
+
+    @staticmethod
+    def current() -> PassContext:
+        ctx = _CURRENT.get()
+        return _DEFAULT if ctx is None else ctx
+
+    def __enter__(self) -> PassContext:
+        self._tokens.append(_CURRENT.set(self))
+        for inst in self.instruments:
+            _hook(inst, "enter_pass_ctx")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for inst in self.instruments:
+            _hook(inst, "exit_pass_ctx")
+        _CURRENT.reset(self._tokens.pop())
+
+    def should_run(self, p: Pass) -> bool:
+        if p.name in self.disabled:
+            if p.required:
+                raise ValueError(
+                    f"pass {p.name!r} is required and cannot be disabled; remove it from "
+                    "PassContext(disabled=...)"
+                )
+            return False
+        return p.required or p.opt_level <= self.opt_level
+
+    def run(self, p: Pass, program: Program) -> Program:
+        leaf = not isinstance(p, Sequential)
+        if leaf:
+            for inst in self.instruments:
+                _hook(inst, "run_before_pass", p, program)
+        out = p.transform(program)
+        if leaf:
+            for inst in self.instruments:
+                _hook(inst, "run_after_pass", p, program, out)
+        return out
+
+
+def _hook(inst: Any, name: str, *args: Any) -> None:
+    fn = getattr(inst, name, None)
+    if fn is not None:
+        fn(*args)
+
+
+_DEFAULT = PassContext()
