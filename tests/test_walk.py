@@ -1,0 +1,111 @@
+"""The shared walker: identity rewrites are exact, inputs are never mutated, results are well-formed,
+and rules see every equation, nested ones included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from strategies import programs
+
+import jaxq
+from jaxq import transform as T
+from jaxq._compat import check_jaxpr
+
+
+def _snapshot(prog):
+    """Everything a mutation could touch: the printed jaxpr and the identity of every equation."""
+    return (
+        str(prog.jaxpr),
+        [id(e.eqn) for e in prog.equations()],
+        [id(c) for c in prog.jaxpr.consts],
+    )
+
+
+def _same_outputs(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@given(programs())
+def test_identity_rewrite_is_exact_well_formed_and_does_not_mutate(rp):
+    prog = jaxq.trace(rp.fun, *rp.args)
+    before = _snapshot(prog)
+    out = T.identity()(prog)
+    assert _snapshot(prog) == before
+    check_jaxpr(out.jaxpr.jaxpr)
+    _same_outputs(jax.jit(out.as_fun())(*rp.args), jax.jit(prog.as_fun())(*rp.args))
+    assert [e.primitive for e in out.equations()] == [e.primitive for e in prog.equations()]
+
+
+@given(programs())
+def test_every_builtin_pass_keeps_programs_well_formed_and_exact(rp):
+    prog = jaxq.trace(rp.fun, *rp.args)
+    before = _snapshot(prog)
+    pipeline = T.Sequential([T.name_expressions(), T.infer_layouts(), T.identity()])
+    with T.PassContext(instruments=[T.WellFormed(), T.NumericCheck(*rp.args, rtol=0, atol=0)]):
+        out = pipeline(prog)
+    assert _snapshot(prog) == before
+    assert [e.name for e in out.equations()] == [e.name for e in prog.equations()]
+
+
+def test_rules_see_nested_equations_and_can_replace_them():
+    def f(x):
+        y = jax.jit(lambda u: jnp.sin(u))(x)
+        y = jax.lax.scan(lambda c, r: (c, jnp.sin(r)), 0.0, y)[1]
+        return jax.lax.cond(True, jnp.sin, jnp.cos, y)
+
+    prog = jaxq.trace(f, np.ones((2, 3), np.float32))
+    seen = []
+
+    def sin_to_cos(visit, x):
+        seen.append(visit.name)
+        return jnp.cos(x)
+
+    out = jaxq.transform.rewrite(prog, {"sin": sin_to_cos})
+    assert seen == ["jit/sin", "scan/sin", "cond/branch1/sin"]
+    assert "sin" not in [e.primitive for e in out.equations()]
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(out(x), jnp.cos(jnp.cos(jnp.cos(x))), rtol=1e-6)
+
+
+def test_rules_can_rebind_with_new_params_and_keep_names():
+    def f(x):
+        with jax.named_scope("Block"):
+            return jnp.sum(x, axis=0)
+
+    prog = T.name_expressions()(jaxq.trace(f, np.ones((2, 3), np.float32)))
+    out = jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x, axes=(1,))})
+    np.testing.assert_array_equal(out(np.ones((2, 3), np.float32)), np.full(2, 3.0))
+    assert [e.name for e in out.equations()] == ["Block/reduce_sum"]
+    assert out.equation("Block/reduce_sum").params["axes"] == (1,)
+
+
+def test_rule_error_names_the_equation():
+    prog = jaxq.trace(lambda x: jnp.exp(x) + 1, np.ones(3, np.float32))
+
+    def broken(visit, x):
+        raise ValueError("boom")
+
+    with pytest.raises(
+        T.RewriteError, match=r"rule for exp failed at equation 'exp': ValueError: boom"
+    ):
+        jaxq.transform.rewrite(prog, {"exp": broken})
+
+
+def test_remat_body_that_gains_constants_is_rebuilt():
+    prog = jaxq.trace(lambda x: jax.checkpoint(lambda u: jnp.sin(u) * 2)(x), np.ones(3, np.float32))
+    table = np.arange(3, dtype=np.float32)
+    out = jaxq.transform.rewrite(prog, {"sin": lambda v, x: jnp.sin(x) + table})
+    x = np.ones(3, np.float32)
+    np.testing.assert_allclose(out(x), (np.sin(x) + table) * 2, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda u: out(u).sum())(x), 2 * np.cos(x), rtol=1e-6)
+
+
+def test_map_equations_rebuilds_structurally_without_retracing():
+    prog = jaxq.trace(lambda x: jax.jit(lambda u: u * 2 + 1)(x), np.ones(3, np.float32))
+    seen = []
+    out = jaxq.transform.map_equations(prog, lambda eqn, path, name: seen.append((path, name)))
+    assert seen == [((0, "jaxpr", 0), "jit/mul"), ((0, "jaxpr", 1), "jit/add"), ((0,), "jit")]
+    check_jaxpr(out.jaxpr.jaxpr)
+    np.testing.assert_array_equal(out(np.ones(3, np.float32)), np.full(3, 3, np.float32))
