@@ -56,6 +56,20 @@ def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
         yield
 
 
+def current_name_stack() -> NameStack:
+    return _siu.current_name_stack()
+
+
+def set_name_stack(stack: NameStack) -> Any:
+    """Context manager: make ``stack`` the absolute name stack."""
+    return _siu.set_name_stack(stack)
+
+
+def extend_name_stack(scope: str) -> Any:
+    """Context manager: push one scope onto the current name stack."""
+    return _siu.extend_name_stack(scope)
+
+
 def bind(eqn: JaxprEqn, invals: list[Any], params: dict[str, Any]) -> list[Any]:
     """Bind ``eqn``'s primitive on ``invals`` with ``params``; always returns a list of outputs."""
     prim = eqn.primitive

@@ -14,10 +14,12 @@ Note: rewriting a custom_jvp/custom_vjp call rewrites its primal body, not its d
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxq import _compat as C
+from jaxq import _names
 
 if TYPE_CHECKING:
     from jaxq._program import Program
@@ -32,10 +34,11 @@ class RewriteError(Exception):
 class Visit:
     """What a rule sees: one equation of the program being rewritten."""
 
-    __slots__ = ("eqn", "name", "path", "_walker")
+    __slots__ = ("eqn", "name", "path", "_walker", "_stack")
 
     def __init__(self, eqn: C.JaxprEqn, name: str, path: Path, walker: _Walker) -> None:
         self.eqn, self.name, self.path, self._walker = eqn, name, path, walker
+        self._stack: Any = None
 
     @property
     def primitive(self) -> str:
@@ -58,7 +61,8 @@ class Visit:
         """Re-bind this equation on ``invals`` (with some params changed), rewriting its nested
         jaxprs with the same rules. Returns what the primitive returns (a list if it has several
         results)."""
-        outs = self._walker.default(self, list(invals), {**self.eqn.params, **param_updates})
+        with C.set_name_stack(self._stack):  # the equation's own scope, not the helper scope
+            outs = self._walker.default(self, list(invals), {**self.eqn.params, **param_updates})
         return outs if self.eqn.primitive.multiple_results else outs[0]
 
 
@@ -73,9 +77,10 @@ class _Walker:
         names: dict[Path, str],
         layouts: Mapping[Any, str],
         recurse: bool,
+        scope: str,
     ) -> None:
         self.rules = {getattr(k, "name", k): r for k, r in rules.items()}
-        self.names, self.layouts, self.recurse = names, layouts, recurse
+        self.names, self.layouts, self.recurse, self.scope = names, layouts, recurse, scope
 
     def retrace(self, closed: C.ClosedJaxpr, path: Path) -> C.ClosedJaxpr:
         def fun(*args: Any) -> list[Any]:
@@ -105,8 +110,16 @@ class _Walker:
         return [C.read_atom(v, env) for v in jaxpr.outvars]
 
     def _apply(self, rule: Rule, visit: Visit, invals: list[Any]) -> list[Any]:
+        visit._stack = C.current_name_stack()
+        scopes = C.name_stack_scopes(visit.eqn)
+        owner = (
+            () if scopes and _names.is_baked(scopes[-1], visit.primitive) else (visit.primitive,)
+        )
         try:
-            out = rule(visit, *invals)
+            with contextlib.ExitStack() as stack:
+                for s in (*owner, self.scope):
+                    stack.enter_context(C.extend_name_stack(s))
+                out = rule(visit, *invals)
         except RewriteError:
             raise
         except Exception as e:
@@ -152,9 +165,16 @@ class _Walker:
             ) from e
 
 
-def rewrite(program: Program, rules: Mapping[Any, Rule], *, recurse: bool = True) -> Program:
-    """Interpret ``program`` and re-trace it through ``rules`` (primitive or its name -> rule)."""
-    walker = _Walker(rules, program.names, program.layouts or {}, recurse)
+def rewrite(
+    program: Program, rules: Mapping[Any, Rule], *, recurse: bool = True, scope: str = "rewrite"
+) -> Program:
+    """Interpret ``program`` and re-trace it through ``rules`` (primitive or its name -> rule).
+
+    Equations a rule emits are named under ``<equation>/<scope>/`` (``Dense_0/dot_general/quantize/
+    round``), while the equation it re-binds with ``visit.bind`` keeps its own name: after
+    ``name_expressions`` names stay stable through any number of rewrites.
+    """
+    walker = _Walker(rules, program.names, program.layouts or {}, recurse, scope)
     return program.with_jaxpr(walker.retrace(program.jaxpr, ()))
 
 

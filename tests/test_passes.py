@@ -1,0 +1,128 @@
+"""Pass, program_pass, Sequential, PassContext and the built-in instruments."""
+
+import io
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxq
+from jaxq import transform as T
+
+X = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+PROG = jaxq.trace(lambda x: jnp.sin(x) * 2 + 1, X)
+
+
+def _sin_to_cos():
+    return T.program_pass(
+        lambda p: T.rewrite(p, {"sin": lambda v, x: jnp.cos(x)}), name="sin_to_cos", opt_level=1
+    )
+
+
+def test_program_pass_as_decorator_and_function():
+    @T.program_pass
+    def noop(program):
+        return program
+
+    @T.program_pass(name="tagged", opt_level=3, required=True)
+    def tagged(program):
+        return program.replace(meta={"tag": 1})
+
+    assert isinstance(noop, T.Pass) and noop.name == "noop" and noop.opt_level == 0
+    assert (tagged.name, tagged.opt_level, tagged.required) == ("tagged", 3, True)
+    assert tagged(PROG).meta == {"tag": 1}
+    assert PROG.meta == {}
+
+
+def test_sequential_is_a_pass_with_len_iter_and_slicing():
+    a, b, c = T.identity(), _sin_to_cos(), T.name_expressions()
+    seq = T.Sequential([a, b, c], name="pipe")
+    assert isinstance(seq, T.Pass) and len(seq) == 3 and list(seq) == [a, b, c]
+    assert seq[1] is b
+    head = seq[:2]
+    assert isinstance(head, T.Sequential) and list(head) == [a, b]
+    nested = T.Sequential([seq[:1], seq[1:]])
+    np.testing.assert_allclose(nested(PROG)(X), np.cos(X) * 2 + 1, rtol=1e-6)
+    assert "cos" in [e.primitive for e in seq(PROG).equations()]
+
+
+def test_sequential_rejects_non_passes_by_name():
+    with pytest.raises(TypeError, match=r"item 1 is .* not a Pass \(a function\? wrap it"):
+        T.Sequential([T.identity(), lambda p: p])
+    with pytest.raises(TypeError, match="item 0 is 3 of type int, not a Pass"):
+        T.Sequential([3])
+
+
+def test_pass_rejects_non_programs():
+    with pytest.raises(TypeError, match="expects a jaxq.Program; got function"):
+        T.identity()(lambda x: x)
+
+
+def test_opt_level_and_disabled_skip_passes():
+    p = _sin_to_cos()
+    prims = lambda prog: [e.primitive for e in prog.equations()]
+    with T.PassContext(opt_level=0):
+        assert "sin" in prims(p(PROG))
+    with T.PassContext(opt_level=1):
+        assert "cos" in prims(p(PROG))
+        with T.PassContext(opt_level=1, disabled=["sin_to_cos"]):  # nests; innermost wins
+            assert "sin" in prims(p(PROG))
+        assert "cos" in prims(p(PROG))
+    assert "cos" in prims(p(PROG))  # default context has opt_level=2
+
+
+def test_disabling_a_required_pass_is_an_error():
+    req = T.program_pass(lambda p: p, name="must", required=True)
+    with T.PassContext(disabled=["must"]), pytest.raises(ValueError, match="'must' is required"):
+        req(PROG)
+    with T.PassContext(opt_level=-1):  # required passes ignore opt_level
+        assert req(PROG) is PROG
+
+
+def test_config_is_visible_to_passes():
+    seen = {}
+
+    @T.program_pass
+    def reads_config(program):
+        seen.update(T.PassContext.current().config)
+        return program
+
+    with T.PassContext(config={"k": 1}):
+        reads_config(PROG)
+    assert seen == {"k": 1}
+
+
+def test_pass_timing_and_print_ir():
+    timing, buf = T.PassTiming(), io.StringIO()
+    with T.PassContext(instruments=[timing, T.PrintIR(before=True, after=True, file=buf)]):
+        T.Sequential([T.identity(), T.name_expressions()])(PROG)
+    assert [name for name, _ in timing.records] == ["identity", "name_expressions"]
+    assert all(t >= 0 for _, t in timing.records)
+    table = str(timing)
+    assert "identity" in table and "total" in table
+    text = buf.getvalue()
+    assert "--- before identity" in text and "--- after name_expressions" in text
+    assert "# mul" in text
+
+
+def test_numeric_check_names_the_pass_that_changed_numbers():
+    bad = T.program_pass(
+        lambda p: T.rewrite(p, {"mul": lambda v, x, y: x * y * 1.01}), name="bad_pass"
+    )
+    with T.PassContext(instruments=[T.NumericCheck(X)]):
+        T.identity()(PROG)  # fine
+        with pytest.raises(T.PassError, match=r"pass 'bad_pass' changed the numbers of output 0"):
+            T.Sequential([T.identity(), bad])(PROG)
+
+
+def test_well_formed_catches_an_ill_typed_jaxpr():
+    def corrupt(eqn, path, name):
+        # re-use the input variable as the output of a sin: the jaxpr now assigns a variable twice
+        return [eqn.replace(outvars=list(eqn.invars))] if eqn.primitive.name == "sin" else None
+
+    breaker = T.program_pass(lambda p: T.map_equations(p, corrupt), name="breaker")
+    with (
+        T.PassContext(instruments=[T.WellFormed()]),
+        pytest.raises(T.PassError, match="pass 'breaker' produced an ill-formed jaxpr"),
+    ):
+        breaker(PROG)
