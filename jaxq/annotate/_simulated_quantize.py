@@ -158,7 +158,9 @@ def _is_concrete(v: ArrayLike) -> bool:
     return not isinstance(v, jax.core.Tracer)
 
 
-def _check_param(v: ArrayLike, what: str, n: int, axis: int | None, dtype: Any) -> jax.Array:
+def _check_param(
+    v: ArrayLike, what: str, n: int, axis: int | None, group_size: int | None, dtype: Any
+) -> jax.Array:
     """Cast a scale or zero point to the compute dtype and check its shape against `x`."""
     v = jnp.asarray(v, dtype=dtype)
     if axis is None:
@@ -169,8 +171,9 @@ def _check_param(v: ArrayLike, what: str, n: int, axis: int | None, dtype: Any) 
             )
         return v
     if v.shape not in ((), (n,)):
+        groups = "" if group_size is None else f" in groups of {group_size}"
         raise ValueError(
-            f"simulated_quantize: {what} must have shape () or ({n},) along axis {axis}; "
+            f"simulated_quantize: {what} must have shape () or ({n},) along axis {axis}{groups}; "
             f"got shape {v.shape}"
         )
     return jnp.broadcast_to(v, (n,))
@@ -257,8 +260,8 @@ def simulated_quantize(
         n //= group_size
 
     dtype = jnp.promote_types(x.dtype, jnp.float32)
-    scale = _check_param(scale, "scale", n, axis, dtype)
-    zero_point = _check_param(zero_point, "zero_point", n, axis, dtype)
+    scale = _check_param(scale, "scale", n, axis, group_size, dtype)
+    zero_point = _check_param(zero_point, "zero_point", n, axis, group_size, dtype)
     qmin, qmax = quant_range(bits, signed, narrow_range)
     if _is_concrete(scale):
         s = np.asarray(scale)
