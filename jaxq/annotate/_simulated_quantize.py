@@ -205,7 +205,9 @@ def simulated_quantize(
     `i*g ... i*g + g - 1` along `axis`) across all other axes.
 
     Rounding: `"nearest_even"` (ties to even), `"half_away_from_zero"`, `"half_up"` (ties towards
-    +inf, i.e. `floor(v + 0.5)`, TVM's UPWARD) or `"floor"`.
+    +inf, i.e. `floor(v + 0.5)`, TVM's UPWARD) or `"floor"`. The rounding modes to nearest are
+    idempotent; `"floor"` is only where `(q - zero_point) * scale / scale` is exact (e.g.
+    power-of-two scales), as float rounding can leave it just below `q - zero_point`.
 
     Gradient (straight-through estimator), so quantization-aware training works with `jax.grad`:
     w.r.t. `x` it is the identity with `ste="identity"`, and with `ste="clipped"` it is zero where
