@@ -44,14 +44,27 @@ def _literal(val: Any) -> str:
 
 
 def _param(val: Any) -> str:
+    if type(val).__name__ == "ConvDimensionNumbers":
+        lhs, rhs, out = val
+        return f"{_spec(lhs, 'NC')},{_spec(rhs, 'OI')}->{_spec(out, 'NC')}"
     text = getattr(val, "name", None) if isinstance(val, np.dtype) else None
     text = text or str(val)
     text = " ".join(text.split())
     return text if len(text) <= _MAX_PARAM else text[: _MAX_PARAM - 3] + "..."
 
 
-def _shown(primitive: str, key: str) -> bool:
-    # jit's sharding/layout/donation params are noise in a listing; its name identifies regions
+def _spec(spec: Any, first: str) -> str:
+    letters = [""] * len(spec)
+    for letter, dim in zip(first + "DHW"[3 - (len(spec) - 2) :], spec, strict=True):
+        letters[dim] = letter
+    return "".join(letters)
+
+
+def _shown(primitive: str, key: str, val: Any) -> bool:
+    # jit's sharding/layout/donation params and the rule functions of custom_jvp/vjp calls are
+    # noise in a listing; a jit's name identifies regions
+    if callable(val) or type(val).__name__ == "WrappedFun":
+        return False
     return primitive != "jit" or key == "name"
 
 
@@ -82,7 +95,7 @@ def _format_body(jaxpr, path, eqn_names, names, lay, indent, lines) -> None:
         params = " ".join(
             f"{k}={_param(v)}"
             for k, v in eqn.params.items()
-            if k not in sub_keys and v is not None and _shown(eqn.primitive.name, k)
+            if k not in sub_keys and v is not None and _shown(eqn.primitive.name, k, v)
         )
         head = eqn.primitive.name + (f"[{params}]" if params else "")
         outs = " ".join(_typed(v, names, lay) for v in eqn.outvars)

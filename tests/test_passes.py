@@ -126,3 +126,24 @@ def test_well_formed_catches_an_ill_typed_jaxpr():
         pytest.raises(T.PassError, match="pass 'breaker' produced an ill-formed jaxpr"),
     ):
         breaker(PROG)
+
+
+def test_strip_annotations_removes_identities_and_honours_keep():
+    from jaxq import annotate as A
+
+    def f(x):
+        y = A.compiler_begin(x, "dnnl")
+        y = A.compiler_end(jnp.sin(y), "dnnl")
+        y = A.on_device(A.stop_fusion(y) * 2, "cpu:1")
+        y = A.cast_hint(y, jnp.int8)
+        return A.simulated_quantize(y, 0.1)
+
+    prog = jaxq.trace(f, X)
+    prims = lambda p: [e.primitive for e in p.equations()]
+    stripped = T.strip_annotations()(prog)
+    assert prims(stripped) == ["sin", "mul", "simulated_quantize"]
+    kept = T.strip_annotations(keep=["on_device"])(prog)
+    assert prims(kept) == ["sin", "mul", "on_device", "simulated_quantize"]
+    np.testing.assert_array_equal(stripped(X), prog(X))
+    with pytest.raises(ValueError, match=r"unknown annotation\(s\) \['on_devise'\]"):
+        T.strip_annotations(keep=["on_devise"])

@@ -7,6 +7,7 @@ from jaxq._walk import rewrite as rewrite
 from jaxq.transform._basic import identity as identity
 from jaxq.transform._basic import infer_layouts as infer_layouts
 from jaxq.transform._basic import name_expressions as name_expressions
+from jaxq.transform._basic import strip_annotations as strip_annotations
 from jaxq.transform._instruments import NumericCheck as NumericCheck
 from jaxq.transform._instruments import PassError as PassError
 from jaxq.transform._instruments import PassTiming as PassTiming

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from jaxq import _compat as C
 from jaxq import _names
 from jaxq._layouts import layout_map
@@ -48,3 +50,30 @@ def infer_layouts() -> Pass:
         return program.replace(layouts=layout_map(program.jaxpr))
 
     return run
+
+
+def strip_annotations(keep: Iterable[str] = ()) -> Pass:
+    """Remove identity annotations (``on_device``, ``compiler_begin``/``end``, ``stop_fusion``,
+    ``cast_hint``) before codegen, except those named in ``keep``. ``simulated_quantize`` computes a
+    value and is never stripped: realize it with ``jaxq.quantize.realize`` instead."""
+    # Annotations sit above the passes in the import order; the registry is read when the pass runs.
+    from jaxq.annotate import IDENTITY_ANNOTATIONS, registry
+
+    keep = frozenset(keep)
+    known = {op.name for op in registry()}
+    unknown = sorted(keep - known)
+    if unknown:
+        raise ValueError(
+            f"strip_annotations: unknown annotation(s) {unknown} in keep; known: {sorted(known)}"
+        )
+    rules = {p.name: _forward for p in IDENTITY_ANNOTATIONS if p.name not in keep}
+
+    @program_pass(name="strip_annotations")
+    def run(program: Program) -> Program:
+        return rewrite(program, rules, scope="strip")
+
+    return run
+
+
+def _forward(visit: object, x: object) -> object:
+    return x
