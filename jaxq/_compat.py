@@ -140,3 +140,68 @@ def make_jaxpr_eqn(
 
 def new_var(aval: Any) -> Var:
     return Var(aval)
+
+
+# -- partition: outlined calls and explicit copies -------------------------------------------------
+_TEMPLATES: dict[str, JaxprEqn] = {}
+
+
+def _template(kind: str) -> JaxprEqn:
+    """A traced example equation of ``kind`` ("jit" or "device_put") whose params we copy."""
+    if kind not in _TEMPLATES:
+        import jax.numpy as jnp
+
+        if kind == "jit":
+            closed = jax.make_jaxpr(lambda x: jax.jit(lambda y: y + 1.0)(x))(jnp.float32(0))
+        else:
+            dev = jax.devices()[0]
+            closed = jax.make_jaxpr(lambda x: jax.device_put(x, dev))(jnp.float32(0))
+        _TEMPLATES[kind] = closed.jaxpr.eqns[0]
+    return _TEMPLATES[kind]
+
+
+def make_call_eqn(
+    closed: ClosedJaxpr, invars: list[Any], outvars: list[Any], name: str, like: JaxprEqn | None
+) -> JaxprEqn:
+    """A nested ``jit`` equation named ``name`` that calls ``closed`` (shows up as a named function in
+    StableHLO). Source info and context come from ``like`` when given."""
+    t = _template("jit")
+    n_in, n_out = len(invars), len(outvars)
+    unspec = t.params["in_shardings"][0]
+    params = dict(
+        t.params,
+        jaxpr=closed,
+        in_shardings=(unspec,) * n_in,
+        out_shardings=(unspec,) * n_out,
+        in_layouts=(None,) * n_in,
+        out_layouts=(None,) * n_out,
+        donated_invars=(False,) * n_in,
+        name=name,
+    )
+    src = like if like is not None else t
+    return new_jaxpr_eqn(
+        invars, outvars, t.primitive, params, closed.effects, src.source_info, src.ctx
+    )
+
+
+def is_call_eqn(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a nested ``jit`` call (what :func:`make_call_eqn` makes)."""
+    return eqn.primitive is _template("jit").primitive
+
+
+def make_device_put_eqn(x: Any, out: Var, device: Any, like: JaxprEqn | None) -> JaxprEqn:
+    """An explicit copy of ``x`` to ``device`` (a ``jax.Device``) as a ``device_put`` equation."""
+    t = _template("device_put")
+    params = dict(t.params, devices=(device,), srcs=(None,))
+    src = like if like is not None else t
+    return new_jaxpr_eqn([x], [out], t.primitive, params, t.effects, src.source_info, src.ctx)
+
+
+def make_jaxpr(
+    constvars: list[Var], invars: list[Var], outvars: list[Any], eqns: list[JaxprEqn]
+) -> Jaxpr:
+    """A Jaxpr whose effects are the union of its equations' effects."""
+    effects: set[Any] = set()
+    for e in eqns:
+        effects.update(e.effects)
+    return Jaxpr(constvars, invars, outvars, eqns, frozenset(effects))
