@@ -140,10 +140,10 @@ def test_strip_annotations_removes_identities_and_honours_keep():
 
     prog = jaxq.trace(f, X)
     prims = lambda p: [e.primitive for e in p.equations()]
-    stripped = T.strip_annotations()(prog)
+    stripped = T.strip_annotations(barriers=True)(prog)
     assert prims(stripped) == ["sin", "mul", "simulated_quantize"]
-    kept = T.strip_annotations(keep=["on_device"])(prog)
-    assert prims(kept) == ["sin", "mul", "on_device", "simulated_quantize"]
+    kept = T.strip_annotations(keep=["on_device"])(prog)  # fusion barriers stay by default
+    assert prims(kept) == ["sin", "stop_fusion", "mul", "on_device", "simulated_quantize"]
     np.testing.assert_array_equal(stripped(X), prog(X))
     with pytest.raises(ValueError, match=r"unknown annotation\(s\) \['on_devise'\]"):
         T.strip_annotations(keep=["on_devise"])

@@ -52,14 +52,18 @@ def infer_layouts() -> Pass:
     return run
 
 
-def strip_annotations(keep: Iterable[str] = ()) -> Pass:
-    """Remove identity annotations (``on_device``, ``compiler_begin``/``end``, ``stop_fusion``,
-    ``cast_hint``) before codegen, except those named in ``keep``. ``simulated_quantize`` computes a
-    value and is never stripped: realize it with ``jaxq.quantize.realize`` instead."""
+def strip_annotations(keep: Iterable[str] = (), *, barriers: bool = False) -> Pass:
+    """Remove identity annotations (``on_device``, ``compiler_begin``/``end``, ``cast_hint``) before
+    codegen, except those named in ``keep``.
+
+    ``stop_fusion`` is a fusion barrier meant to reach XLA, so it stays unless ``barriers=True``.
+    ``simulated_quantize`` computes a value and is never stripped: realize it with
+    ``jaxq.quantize.realize`` instead.
+    """
     # Annotations sit above the passes in the import order; the registry is read when the pass runs.
     from jaxq.annotate import IDENTITY_ANNOTATIONS, registry
 
-    keep = frozenset(keep)
+    keep = frozenset(keep) | (frozenset() if barriers else {"stop_fusion"})
     known = {op.name for op in registry()}
     unknown = sorted(keep - known)
     if unknown:
