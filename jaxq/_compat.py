@@ -116,7 +116,7 @@ def close(jaxpr: Jaxpr) -> ClosedJaxpr:
 
 def subjaxpr_params(params: dict[str, Any]) -> list[tuple[str, int | None, Any]]:
     """``(key, index, jaxpr)`` for every nested jaxpr in ``params`` (index set for tuples of jaxprs)."""
-    found = []
+    found: list[tuple[str, int | None, Any]] = []
     for key, val in params.items():
         if isinstance(val, (Jaxpr, ClosedJaxpr)):
             found.append((key, None, val))
@@ -198,10 +198,22 @@ def make_device_put_eqn(x: Any, out: Var, device: Any, like: JaxprEqn | None) ->
 
 
 def make_jaxpr(
-    constvars: list[Var], invars: list[Var], outvars: list[Any], eqns: list[JaxprEqn]
+    constvars: list[Var],
+    invars: list[Var],
+    outvars: list[Any],
+    eqns: list[JaxprEqn],
+    name: str = "region",
 ) -> Jaxpr:
-    """A Jaxpr whose effects are the union of its equations' effects."""
+    """A Jaxpr (debug info naming it ``name``) whose effects are its equations' effects."""
+    from jax._src import core as _core
+
     effects: set[Any] = set()
     for e in eqns:
         effects.update(e.effects)
-    return Jaxpr(constvars, invars, outvars, eqns, frozenset(effects))
+    info = _core.DebugInfo(
+        "jit",
+        name,
+        tuple(f"args[{i}]" for i in range(len(invars))),
+        tuple(f"result[{i}]" for i in range(len(outvars))),
+    )
+    return Jaxpr(constvars, invars, outvars, eqns, frozenset(effects), info)

@@ -1,0 +1,20 @@
+"""Partitioning for external compilers (TVM's bring-your-own-codegen flow) and device placement.
+
+register_op_support("dnnl", "dot_general")          # what each compiler supports
+pipeline = Sequential([annotate_target(["dnnl"]),     # one region per supported equation
+                       merge_compiler_regions(),      # merge neighbours, never a cycle
+                       partition_graph()])            # each region -> jit named dnnl_main_0
+fn = build(pipeline(program), backends={"dnnl": "host"})
+"""
+
+from jaxq.partition._annotate_target import annotate_target as annotate_target
+from jaxq.partition._merge import merge_compiler_regions as merge_compiler_regions
+from jaxq.partition._partition_graph import RegionInfo as RegionInfo
+from jaxq.partition._partition_graph import partition_graph as partition_graph
+from jaxq.partition._partition_graph import regions as regions
+from jaxq.partition._regions import AnnotationError as AnnotationError
+from jaxq.partition._regions import PartitionError as PartitionError
+from jaxq.partition._support import UnknownCompilerError as UnknownCompilerError
+from jaxq.partition._support import register_op_support as register_op_support
+from jaxq.partition._support import registered_compilers as registered_compilers
+from jaxq.partition._support import unregister_compiler as unregister_compiler

@@ -1,0 +1,94 @@
+"""``annotate_target``: wrap every equation a compiler supports in compiler_begin / compiler_end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jaxq import _compat as C
+from jaxq._program import Equation, Program
+from jaxq.annotate import compiler_begin_p, compiler_end_p
+from jaxq.partition._regions import OUTSIDE, analyze
+from jaxq.partition._support import check_compilers, is_supported
+from jaxq.transform import Pass, program_pass
+
+_NO_EFFECTS: frozenset[Any] = frozenset()
+
+
+def annotate_target(compilers: str | Sequence[str]) -> Pass:
+    """A pass that marks each top-level equation supported by one of ``compilers`` (the first in the
+    list that supports it wins) as a region of its own, as TVM's AnnotateTarget does: a
+    ``compiler_begin`` on each distinct operand, a ``compiler_end`` on each result.
+
+    Equations already inside a region (annotated by an earlier run or by hand) are left alone, so
+    ``annotate_target(["A"])`` then ``annotate_target(["B"])`` equals ``annotate_target(["A", "B"])``.
+    Unsupported equations stay unannotated (TVM's "default" target). A nested call (jit, scan, ...)
+    is one unit: see :func:`jaxq.partition.register_op_support` for when it counts as supported.
+    """
+    targets = check_compilers(compilers, "annotate_target")
+
+    @program_pass(name="annotate_target")
+    def run(program: Program) -> Program:
+        check_compilers(targets, "annotate_target")  # the registry may have changed since
+        closed = program.jaxpr
+        jaxpr = closed.jaxpr
+        an = analyze(jaxpr)
+        out: list[C.JaxprEqn] = []
+        changed = False
+        for i, eqn in enumerate(jaxpr.eqns):
+            target = None
+            if an.kind[i] == OUTSIDE:
+                rec = Equation(eqn.primitive.name, eqn, (i,), (), ())
+                target = next((c for c in targets if is_supported(c, eqn, rec)), None)
+            if target is None:
+                out.append(eqn)
+                continue
+            changed = True
+            params = {"compiler": target}
+            begun: dict[Any, Any] = {}
+            new_in = []
+            for v in eqn.invars:
+                if C.is_literal(v):
+                    new_in.append(v)
+                    continue
+                b = begun.get(v)
+                if b is None:
+                    b = begun[v] = C.new_var(v.aval)
+                    out.append(
+                        C.new_jaxpr_eqn(
+                            [v],
+                            [b],
+                            compiler_begin_p,
+                            params,
+                            _NO_EFFECTS,
+                            eqn.source_info,
+                            eqn.ctx,
+                        )
+                    )
+                new_in.append(b)
+            new_out = []
+            ends = []
+            for v in eqn.outvars:
+                if C.is_dropvar(v):
+                    new_out.append(v)
+                    continue
+                inner = C.new_var(v.aval)
+                new_out.append(inner)
+                ends.append(
+                    C.new_jaxpr_eqn(
+                        [inner],
+                        [v],
+                        compiler_end_p,
+                        params,
+                        _NO_EFFECTS,
+                        eqn.source_info,
+                        eqn.ctx,
+                    )
+                )
+            out.append(eqn.replace(invars=new_in, outvars=new_out))
+            out.extend(ends)
+        if not changed:
+            return program
+        return program.with_jaxpr(C.ClosedJaxpr(jaxpr.replace(eqns=out), closed.consts))
+
+    return run

@@ -1,0 +1,217 @@
+"""``partition_graph``: extract every region into a named nested ``jit`` call, and ``regions``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+from typing import Any
+
+import jax
+
+from jaxq import _compat as C
+from jaxq._program import Program
+from jaxq.partition._regions import BEGIN, END, analyze, node_graph
+from jaxq.transform import Pass, program_pass
+
+META_KEY = "partition.regions"
+"""``program.meta[META_KEY]``: ``{region function name: compiler}`` for every extracted region."""
+
+
+def partition_graph(*, bind_constants: bool = True, function: str | None = None) -> Pass:
+    """A pass that turns each region into a call of a sub-function named
+    ``<compiler>_<function>_<index>`` (``function`` defaults to the program's name; indices count
+    regions in program order), as TVM's PartitionGraph does.
+
+    * one parameter per distinct value entering the region (duplicated begins are merged);
+    * closed-over constants used by the region are bound into it (``bind_constants=False`` passes
+      them as parameters instead); literals stay literals;
+    * a region may have several results (the call returns them all);
+    * the compiler_begin / compiler_end annotations are removed.
+
+    The compiler of each region is recorded in ``program.meta["partition.regions"]`` and read back
+    by :func:`regions`.
+    """
+
+    @program_pass(name="partition_graph")
+    def run(program: Program) -> Program:
+        closed = program.jaxpr
+        jaxpr = closed.jaxpr
+        an = analyze(jaxpr)
+        found = an.regions()
+        if not found:
+            return program
+        fname = function or program.name
+        known = dict(program.meta.get(META_KEY, {}))
+        start = len(known)
+        const_val = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        node_of, _, order = node_graph(an)
+        eqns = jaxpr.eqns
+        subst: dict[Any, Any] = {}  # outer value -> outer value (duplicate region results)
+        calls: dict[int, C.JaxprEqn] = {}
+        for k, reg in enumerate(found):
+            name = f"{reg.compiler}_{fname}_{start + k}"
+            calls[reg.id] = _extract(an, reg.eqns, name, bind_constants, const_val, subst)
+            known[name] = reg.compiler
+        out: list[C.JaxprEqn] = []
+        base = len(an.compiler)
+        for node in order:
+            if node < base:
+                out.append(calls[node])
+                continue
+            eqn = eqns[node - base]
+            if subst:
+                new = [v if C.is_literal(v) else subst.get(v, v) for v in eqn.invars]
+                if any(a is not b for a, b in zip(new, eqn.invars, strict=True)):
+                    eqn = eqn.replace(invars=new)
+            out.append(eqn)
+        outvars = [v if C.is_literal(v) else subst.get(v, v) for v in jaxpr.outvars]
+        new = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
+        meta = {**program.meta, META_KEY: types.MappingProxyType(known)}
+        return program.with_jaxpr(new, meta=types.MappingProxyType(meta))
+
+    return run
+
+
+def _extract(
+    an: Any,
+    members: list[int],
+    name: str,
+    bind_constants: bool,
+    const_val: dict[Any, Any],
+    subst: dict[Any, Any],
+) -> C.JaxprEqn:
+    eqns = an.jaxpr.eqns
+    inner: dict[Any, Any] = {}  # begin output -> the parameter (or literal) it stands for
+    param_of: dict[Any, Any] = {}  # outer value -> inner parameter var
+    invars: list[Any] = []  # inner parameters
+    outer_in: list[Any] = []  # what the call passes
+    constvars: list[Any] = []
+    consts: list[Any] = []
+    bound: dict[Any, Any] = {}
+    body: list[C.JaxprEqn] = []
+    result_of: dict[Any, Any] = {}  # inner result -> outer var
+    inner_out: list[Any] = []
+    outer_out: list[Any] = []
+
+    def const_param(v: Any) -> Any:
+        if bind_constants:
+            if v not in bound:
+                bound[v] = v
+                constvars.append(v)
+                consts.append(const_val[v])
+            return v
+        return param(v)
+
+    def param(v: Any) -> Any:
+        p = param_of.get(v)
+        if p is None:
+            p = param_of[v] = C.new_var(v.aval)
+            invars.append(p)
+            outer_in.append(v)
+        return p
+
+    for i in members:
+        eqn = eqns[i]
+        kind = an.kind[i]
+        if kind == BEGIN:
+            x = eqn.invars[0]
+            if C.is_literal(x):
+                inner[eqn.outvars[0]] = x
+            elif x in an.constvars:
+                inner[eqn.outvars[0]] = const_param(x)
+            else:
+                inner[eqn.outvars[0]] = param(x)
+        elif kind == END:
+            x = eqn.invars[0]
+            x = inner.get(x, x) if not C.is_literal(x) else x
+            y = eqn.outvars[0]
+            prev = result_of.get(x) if not C.is_literal(x) else None
+            if prev is not None:
+                subst[y] = prev
+            else:
+                if not C.is_literal(x):
+                    result_of[x] = y
+                inner_out.append(x)
+                outer_out.append(y)
+        else:
+            new = []
+            for v in eqn.invars:
+                if C.is_literal(v):
+                    new.append(v)
+                elif v in inner:
+                    new.append(inner[v])
+                elif v in an.constvars:
+                    new.append(const_param(v))
+                else:
+                    new.append(v)
+            if any(a is not b for a, b in zip(new, eqn.invars, strict=True)):
+                eqn = eqn.replace(invars=new)
+            body.append(eqn)
+    sub = C.make_jaxpr(constvars, invars, inner_out, body, name)
+    like = eqns[members[0]]
+    return C.make_call_eqn(C.ClosedJaxpr(sub, consts), outer_in, outer_out, name, like)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInfo:
+    """A region of a partitioned program (see :func:`regions`)."""
+
+    name: str
+    compiler: str
+    primitives: tuple[str, ...]
+    num_inputs: int
+    num_outputs: int
+    index: int
+    """Position of the region's call among the program's top-level equations."""
+    jaxpr: C.ClosedJaxpr = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def in_avals(self) -> tuple[Any, ...]:
+        return tuple(self.jaxpr.in_avals)
+
+    @property
+    def out_avals(self) -> tuple[Any, ...]:
+        return tuple(self.jaxpr.out_avals)
+
+    def program(self) -> Program:
+        """The region as a Program of its own, taking and returning flat tuples of arrays (what a
+        backend's codegen receives)."""
+        n = len(self.jaxpr.in_avals)
+        in_tree = jax.tree.structure(((0,) * n, {}))
+        out_tree = jax.tree.structure((0,) * len(self.jaxpr.out_avals))
+        paths = tuple(f"args[{i}]" for i in range(n))
+        return Program(self.jaxpr, in_tree, out_tree, paths, name=self.name)
+
+
+def regions(program: Program) -> list[RegionInfo]:
+    """The regions of a partitioned program, in program order."""
+    known = program.meta.get(META_KEY)
+    pattern = None
+    if known is None:
+        pattern = re.compile(rf"(?P<c>[^.]+)_{re.escape(program.name)}_\d+")
+    out = []
+    for i, eqn in enumerate(program.jaxpr.jaxpr.eqns):
+        if not C.is_call_eqn(eqn):
+            continue
+        name = eqn.params.get("name")
+        if known is not None:
+            compiler = known.get(name)
+        else:
+            m = pattern.fullmatch(name) if pattern is not None else None
+            compiler = m.group("c") if m else None
+        if compiler is None:
+            continue
+        sub = eqn.params["jaxpr"]
+        out.append(
+            RegionInfo(
+                name,
+                compiler,
+                tuple(e.primitive.name for e in sub.jaxpr.eqns),
+                len(sub.jaxpr.invars),
+                len(sub.jaxpr.outvars),
+                i,
+                sub,
+            )
+        )
+    return out

@@ -1,0 +1,331 @@
+"""BYOC partitioning: TVM's AnnotateTarget / MergeCompilerRegions / PartitionGraph tests re-created on
+jaxprs (graphs drawn in ASCII; O = supported, X = not supported), plus bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxq
+from jaxq import partition as P
+from jaxq._compat import check_jaxpr
+from jaxq.annotate import compiler_begin, compiler_end
+from jaxq.transform import NumericCheck, PassContext, Sequential, WellFormed
+
+
+@pytest.fixture(autouse=True)
+def _compilers():
+    yield
+    for c in ("A", "B", "test"):
+        P.unregister_compiler(c)
+
+
+def support(compiler, *prims):
+    for p in prims:
+        P.register_op_support(compiler, p)
+
+
+def pipeline(*compilers, **kw):
+    return Sequential(
+        [P.annotate_target(list(compilers)), P.merge_compiler_regions(), P.partition_graph(**kw)]
+    )
+
+
+def partition(f, args, *compilers, **kw):
+    prog = jaxq.trace(f, *args)
+    with PassContext(instruments=[WellFormed(), NumericCheck(*args, rtol=0, atol=0)]):
+        out = pipeline(*compilers, **kw)(prog)
+    check_jaxpr(out.jaxpr.jaxpr)
+    return out
+
+
+def summary(prog):
+    return [(r.compiler, r.primitives, r.num_inputs, r.num_outputs) for r in P.regions(prog)]
+
+
+def ones(*shape, n=1):
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal(shape).astype(np.float32) for _ in range(n))
+
+
+def test_diamond_graph_with_fanouts():
+    #        O1                 O1
+    #       /  \               /            \
+    #      O2   X     -->     O2      +      X
+    #       \  /                \           /
+    #        O3                  O3
+    # O1 -> X -> O3 leaves the compiler, so O3 may not join {O1, O2}: two regions, the first with
+    # two results (O2 for O3, O1 for X).
+    support("test", "sin", "cos", "add")
+
+    def f(data):
+        o1 = jnp.sin(data)
+        o2 = jnp.cos(o1)
+        x = jnp.tanh(o1)
+        return o2 + x
+
+    out = partition(f, ones(10, 10), "test")
+    assert summary(out) == [("test", ("sin", "cos"), 1, 2), ("test", ("add",), 2, 1)]
+    assert [r.name for r in P.regions(out)] == ["test_f_0", "test_f_1"]
+
+
+def test_rfc_example_graph_refuses_the_merge_that_would_make_a_cycle():
+    # The example of the BYOC RFC ("improved graph partitioning algorithm"); + is supported, - not.
+    #
+    #  in1 in2  in3 in4        in5 in6
+    #    \ /      \ /            \ /
+    #    n0+      n1+  in7        n3-
+    #       \    /       \       /
+    #        n2+          n4-  -
+    #          \          /
+    #           n5+ ------         in8
+    #          /    \             /
+    #  in9   n7+     ----------  n6-
+    #     \  /                  /
+    #      (n7)                /
+    #         \               /
+    #          n8+ -----------      in10
+    #            \                 /
+    #             n9+ ------------
+    #
+    # n8 cannot join {n0, n1, n2, n5, n7}: n5 -> n6 (-) -> n8 would leave the region and come back.
+    support("test", "add")
+
+    def f(i1, i2, i3, i4, i5, i6, i7, i8, i9, i10):
+        n0 = i1 + i2
+        n1 = i3 + i4
+        n2 = n0 + n1
+        n3 = i5 - i6
+        n4 = i7 - n3
+        n5 = n2 + n4
+        n6 = i8 - n5
+        n7 = i9 + n5
+        n8 = n6 + n7
+        return i10 + n8
+
+    out = partition(f, ones(10, 10, n=10), "test")
+    assert summary(out) == [("test", ("add",) * 5, 6, 2), ("test", ("add",) * 2, 3, 1)]
+    assert [e.primitive for e in out.equations() if e.path[:1] == e.path] == [
+        "sub",
+        "sub",
+        "jit",
+        "sub",
+        "jit",
+    ]
+
+
+def test_siblings_that_share_only_inputs_stay_apart():
+    #        x
+    #      /   \
+    #     O1   O2        two regions: nothing but the input is shared
+    #      \   /
+    #        X
+    support("A", "sin", "cos")
+
+    def f(x):
+        return jnp.sin(x) - jnp.cos(x)
+
+    out = partition(f, ones(4), "A")
+    assert summary(out) == [("A", ("sin",), 1, 1), ("A", ("cos",), 1, 1)]
+
+
+def test_shared_input_is_one_parameter():
+    #   x ---> O1 ---> O2          one region, one parameter for x used by both
+    #    \____________/
+    support("A", "sin", "mul")
+
+    def f(x):
+        return jnp.sin(x) * x
+
+    out = partition(f, ones(4), "A")
+    assert summary(out) == [("A", ("sin", "mul"), 1, 1)]
+
+
+def test_multiple_outputs_of_one_region():
+    #        x
+    #        |
+    #        O1 (sin)
+    #       /  \
+    #   O2 cos  X tanh -> out2      one region {sin, cos}, results cos (out1) and sin (for tanh)
+    support("A", "sin", "cos")
+
+    def f(x):
+        s = jnp.sin(x)
+        return jnp.cos(s), jnp.tanh(s)
+
+    out = partition(f, ones(3, 3), "A")
+    assert summary(out) == [("A", ("sin", "cos"), 1, 2)]
+    np.testing.assert_array_equal(out(*ones(3, 3))[0], jnp.cos(jnp.sin(ones(3, 3)[0])))
+
+
+def test_tuple_outputs_of_one_equation():
+    # sort of two operands is one equation with a tuple of results; both leave the region
+    support("A", "sort", "add")
+
+    def f(x, y):
+        a, b = jax.lax.sort((x, y), num_keys=1)
+        return a + b, b
+
+    out = partition(f, ones(8, n=2), "A")
+    assert summary(out) == [("A", ("sort", "add"), 2, 2)]
+
+
+def test_constants_are_bound_into_the_region_by_default():
+    # TVM PR 5409: constants must not be passed between partitions.
+    support("A", "dot_general", "add", "broadcast_in_dim")
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    b = np.arange(3, dtype=np.float32)
+
+    def f(x):
+        return x @ w + b
+
+    bound = partition(f, ones(2, 4), "A")
+    (r,) = P.regions(bound)
+    assert (r.num_inputs, len(r.jaxpr.consts)) == (1, 2)
+    passed = partition(f, ones(2, 4), "A", bind_constants=False)
+    (r,) = P.regions(passed)
+    assert (r.num_inputs, len(r.jaxpr.consts)) == (3, 0)
+    np.testing.assert_array_equal(bound(*ones(2, 4)), passed(*ones(2, 4)))
+
+
+def test_two_compilers_first_in_list_wins():
+    #   sin(A) -> cos(B) -> sin(A)      three regions; both compilers support sin, the first wins
+    support("A", "sin")
+    support("B", "cos", "sin")
+
+    def f(x):
+        return jnp.sin(jnp.cos(jnp.sin(x)))
+
+    out = partition(f, ones(3), "A", "B")
+    assert [(c, p) for c, p, _, _ in summary(out)] == [
+        ("A", ("sin",)),
+        ("B", ("cos",)),
+        ("A", ("sin",)),
+    ]
+    out = partition(f, ones(3), "B", "A")
+    assert [(c, p) for c, p, _, _ in summary(out)] == [("B", ("sin", "cos", "sin"))]
+
+
+def test_annotate_target_is_rerunnable():
+    support("A", "sin", "add")
+    support("B", "cos", "add")
+
+    def f(x, y):
+        return jnp.cos(jnp.sin(x) + y) + jnp.cos(y)
+
+    prog = jaxq.trace(f, *ones(3, n=2))
+    once = P.annotate_target(["A", "B"])(prog)
+    twice = P.annotate_target(["B"])(P.annotate_target(["A"])(prog))
+    assert str(once.jaxpr) == str(twice.jaxpr)
+    assert str(P.annotate_target(["A", "B"])(once).jaxpr) == str(once.jaxpr)  # idempotent
+    assert "compiler=A" in str(once.jaxpr) and "compiler=B" in str(once.jaxpr)
+
+
+def test_region_is_a_named_function_in_stablehlo_and_annotations_are_gone():
+    support("A", "sin", "cos")
+
+    def f(x):
+        return jnp.cos(jnp.sin(x)) * 2.0
+
+    out = partition(f, ones(3), "A")
+    text = str(out.jaxpr)
+    assert "compiler_begin" not in text and "compiler_end" not in text
+    hlo = jax.jit(out.as_fun()).lower(*ones(3)).as_text()
+    assert "@A_f_0" in hlo
+
+
+def test_predicate_sees_dtype_and_shape():
+    @P.register_op_support("A", "add")
+    def big_f32(rec):
+        return rec.in_avals[0].dtype == jnp.float32 and rec.out_avals[0].size >= 4
+
+    def f(x, i):
+        return x + x, i + i, x[:2] + x[:2]
+
+    out = partition(f, (ones(4)[0], np.arange(4, dtype=np.int32)), "A")
+    assert summary(out) == [("A", ("add",), 1, 1)]
+
+
+def test_nested_call_is_supported_only_when_everything_inside_is():
+    support("A", "sin", "mul")
+
+    def f(x):
+        y = jax.jit(lambda u: jnp.sin(u) * u)(x)  # all supported -> one unit in the region
+        return jax.jit(lambda u: jnp.cos(u) * u)(y)  # cos is not -> stays out
+
+    out = partition(f, ones(3), "A")
+    assert summary(out) == [("A", ("jit",), 1, 1)]
+
+
+def test_manual_annotations_make_one_region():
+    def f(x, y):
+        a, b = compiler_begin(x, "A"), compiler_begin(y, "A")
+        return compiler_end(jnp.sin(a) * b + 1.0, "A")
+
+    support("A")
+    prog = jaxq.trace(f, *ones(3, n=2))
+    out = P.partition_graph()(prog)
+    assert summary(out) == [("A", ("sin", "mul", "add"), 2, 1)]
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_unknown_compiler_is_a_clear_error():
+    with pytest.raises(P.UnknownCompilerError, match="unknown compiler 'nope'"):
+        P.annotate_target(["nope"])
+
+
+def test_end_without_begin_names_the_equation():
+    def f(x):
+        return compiler_end(jnp.sin(x), "A")
+
+    prog = jaxq.trace(f, *ones(3))
+    with pytest.raises(
+        P.AnnotationError, match=r"unbalanced.*compiler_end for 'A'.*'compiler_end'"
+    ):
+        P.partition_graph()(prog)
+
+
+def test_mismatched_begin_and_end():
+    def f(x):
+        return compiler_end(jnp.sin(compiler_begin(x, "A")), "B")
+
+    prog = jaxq.trace(f, *ones(3))
+    with pytest.raises(P.AnnotationError, match="mismatched.*'B'.*'A'"):
+        P.merge_compiler_regions()(prog)
+
+
+def test_value_escaping_a_region_without_end():
+    def f(x):
+        s = jnp.sin(compiler_begin(x, "A"))
+        return compiler_end(s, "A"), jnp.cos(s)
+
+    prog = jaxq.trace(f, *ones(3))
+    with pytest.raises(
+        P.AnnotationError, match=r"'cos'.*inside a region for 'A'.*program's outputs"
+    ):
+        P.partition_graph()(prog)
+
+
+def test_begin_missing_on_an_operand():
+    def f(x, y):
+        return compiler_end(compiler_begin(x, "A") * y, "A")
+
+    prog = jaxq.trace(f, *ones(3, n=2))
+    with pytest.raises(P.AnnotationError, match=r"'mul'.*without compiler_begin"):
+        P.partition_graph()(prog)
+
+
+def test_hand_made_cyclic_region_is_refused():
+    #   begin -> sin -> end -> cos(outside) -> begin -> mul -> end   all one region by hand:
+    #   the region would need cos's result, which needs the region's own result
+    def f(x):
+        b = compiler_begin(x, "A")
+        s = jnp.sin(b)
+        c = jnp.cos(compiler_end(s, "A"))
+        return compiler_end(s * compiler_begin(c, "A"), "A")
+
+    prog = jaxq.trace(f, *ones(3))
+    with pytest.raises(P.PartitionError, match="cycle"):
+        P.partition_graph()(prog)
