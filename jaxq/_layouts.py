@@ -14,6 +14,7 @@ Convolutions: lhs/out ``N C`` + spatial, rhs ``O I`` + spatial, spatial letters 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from jaxq import _compat as C
@@ -50,6 +51,10 @@ _SHAPE_KEEPING_EXCLUDED = {
 }
 
 
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
 def _conv_layouts(eqn: C.JaxprEqn) -> tuple[str, str, str] | None:
     dn = eqn.params["dimension_numbers"]
     nsp = len(dn.lhs_spec) - 2
@@ -68,7 +73,7 @@ def _conv_layouts(eqn: C.JaxprEqn) -> tuple[str, str, str] | None:
 
 def _dot_layouts(eqn: C.JaxprEqn) -> tuple[str, str, str] | None:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lrank, rrank = (len(v.aval.shape) for v in eqn.invars)
+    lrank, rrank = (len(_shape(v)) for v in eqn.invars)
     lfree = [d for d in range(lrank) if d not in lc and d not in lb]
     rfree = [d for d in range(rrank) if d not in rc and d not in rb]
     if (
@@ -119,7 +124,7 @@ class _Solver:
     def set(self, v: Any, layout: str | None) -> None:
         if layout is None or C.is_literal(v) or C.is_dropvar(v) or v in self.lay:
             return
-        if len(layout) != len(v.aval.shape) or len(set(layout)) != len(layout):
+        if len(layout) != len(_shape(v)) or len(set(layout)) != len(layout):
             return
         self.lay[v] = layout
         self.changed = True
@@ -142,11 +147,13 @@ class _Solver:
         if prim == "conv_general_dilated":
             lays = _conv_layouts(eqn)
             if lays:
-                self.set(ins[0], lays[0]), self.set(ins[1], lays[1]), self.set(outs[0], lays[2])
+                for v, layout in zip((ins[0], ins[1], outs[0]), lays, strict=True):
+                    self.set(v, layout)
         elif prim == "dot_general":
             lays = _dot_layouts(eqn)
             if lays:
-                self.set(ins[0], lays[0]), self.set(ins[1], lays[1]), self.set(outs[0], lays[2])
+                for v, layout in zip((ins[0], ins[1], outs[0]), lays, strict=True):
+                    self.set(v, layout)
         elif prim == "transpose":
             perm = eqn.params["permutation"]
             src, dst = self.get(ins[0]), self.get(outs[0])
@@ -175,7 +182,7 @@ class _Solver:
             self._shape_keeping(eqn)
 
     def _unit_reshape(self, a: Any, b: Any) -> None:
-        mapping = _unit_map(tuple(a.aval.shape), tuple(b.aval.shape))
+        mapping = _unit_map(tuple(_shape(a)), tuple(_shape(b)))
         if mapping is None:
             return
         src, dst = self.get(a), self.get(b)
@@ -183,8 +190,8 @@ class _Solver:
             self.set(b, "".join(src[m] for m in mapping))  # type: ignore[index]
         if dst:
             back = {m: i for i, m in enumerate(mapping) if m is not None}
-            if len(back) == len(a.aval.shape):
-                self.set(a, "".join(dst[back[d]] for d in range(len(a.aval.shape))))
+            if len(back) == len(_shape(a)):
+                self.set(a, "".join(dst[back[d]] for d in range(len(_shape(a)))))
 
     def _shape_keeping(self, eqn: C.JaxprEqn) -> None:
         """Equations whose array operands all have the output's rank keep axis meaning
@@ -192,12 +199,12 @@ class _Solver:
         if len(eqn.outvars) != 1:
             return
         out = eqn.outvars[0]
-        rank = len(out.aval.shape)
+        rank = len(_shape(out))
         if rank == 0:
             return
-        same = [v for v in eqn.invars if not C.is_literal(v) and len(v.aval.shape) == rank]
+        same = [v for v in eqn.invars if not C.is_literal(v) and len(_shape(v)) == rank]
         if not same or any(
-            len(v.aval.shape) not in (0, rank) for v in eqn.invars if not C.is_literal(v)
+            len(_shape(v)) not in (0, rank) for v in eqn.invars if not C.is_literal(v)
         ):
             return
         for v in same:
@@ -210,6 +217,8 @@ class _Solver:
         p = eqn.params
         for key, _, sub in C.subjaxpr_params(p):
             inner = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
+            pairs_in: Iterable[tuple[Any, Any]]
+            pairs_out: Iterable[tuple[Any, Any]]
             if prim == "cond":
                 pairs_in = zip(inner.invars, eqn.invars[1:], strict=False)
                 pairs_out = zip(inner.outvars, eqn.outvars, strict=False)
@@ -230,7 +239,7 @@ class _Solver:
                 pairs_in = zip(inner.invars, eqn.invars, strict=False)
                 pairs_out = zip(inner.outvars, eqn.outvars, strict=False)
             for a, b in (*pairs_in, *pairs_out):
-                if not C.is_literal(a) and not C.is_literal(b) and a.aval.shape == b.aval.shape:
+                if not C.is_literal(a) and not C.is_literal(b) and _shape(a) == _shape(b):
                     self.link(a, b)
             self.sweep(inner)
 

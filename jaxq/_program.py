@@ -126,7 +126,7 @@ class Program:
     def equations(self) -> Iterator[Equation]:
         """Every equation in program order, nested ones (jit, scan, cond, ...) right after their
         parent."""
-        lay = self.layouts or {}
+        lay: Mapping[Any, str] = self.layouts or {}
         for path, name, _, eqn in _names.walk_names(self.jaxpr.jaxpr):
             yield Equation(
                 name,

@@ -47,7 +47,7 @@ def _half_up(v: jax.Array) -> jax.Array:
     return f + (v - f >= 0.5).astype(v.dtype)
 
 
-_ROUND = {
+_ROUND: dict[str, Any] = {
     "nearest_even": jnp.round,
     "half_away_from_zero": lambda v: lax.round(v, lax.RoundingMethod.AWAY_FROM_ZERO),
     "half_up": _half_up,
@@ -140,7 +140,7 @@ def _jvp(primals: Any, tangents: Any, **params: Any) -> tuple[jax.Array, Any]:
     tx = tangents[0]
     y = simulated_quantize_p.bind(x, scale, zero_point, **params)
     if type(tx) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
+        return y, ad.Zero.from_primal_value(y)  # type: ignore[attr-defined]
     if params["ste"] == "identity":
         return y, tx
     qmin, qmax = quant_range(params["bits"], params["signed"], params["narrow_range"])

@@ -79,7 +79,7 @@ def program_pass(
     def wrap(f: Callable[[Program], Program]) -> FunctionPass:
         if not callable(f):
             raise TypeError(f"program_pass: expected a function; got {type(f).__name__}")
-        return FunctionPass(f, name or getattr(f, "__name__", "pass"), opt_level, required)
+        return FunctionPass(f, name or str(getattr(f, "__name__", "pass")), opt_level, required)
 
     return wrap if fn is None else wrap(fn)
 
