@@ -6,19 +6,19 @@ union of its parents' restriction sets plus every parent of another compiler (an
 equation counts as one). A restricted parent reaches R through something outside the compiler, so
 merging it would make a cycle. Sibling regions that share only inputs stay apart.
 
-Restriction sets are bitsets (Python ints) over region ids and a merged group is the set of its
-members' bits, so "P is restricted" is one ``&``: merging relabels nothing. The pass is linear in
-the number of equations plus the total size of the bitsets (zero when no unsupported equation sits
-between regions).
+Restriction sets hold region ids and are read through a union-find of merged groups, so merging
+relabels nothing; groups that can have no more children are dropped from the sets as they are
+built, which keeps them as small as the graph is wide and the pass linear in the equations.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq.partition._regions import BEGIN, END, analyze, node_graph
+from jaxq.partition._regions import BEGIN, END, NodeGraph, analyze, node_graph
 from jaxq.transform import Pass, program_pass
 
 
@@ -28,62 +28,79 @@ def merge_compiler_regions() -> Pass:
 
     @program_pass(name="merge_compiler_regions")
     def run(program: Program) -> Program:
-        closed = program.jaxpr
-        jaxpr = closed.jaxpr
-        an = analyze(jaxpr)
+        an = analyze(program.jaxpr.jaxpr)
         base = len(an.compiler)
         if base < 2:
             return program
-        node_of, parents, order = node_graph(an)
-        group = list(range(base))  # union-find over region roots (merge groups)
-
-        def find(r: int) -> int:
-            root = r
-            while group[root] != root:
-                root = group[root]
-            while group[r] != root:
-                group[r], r = root, group[r]
-            return root
-
-        members = [1 << k for k in range(base)]  # bits of each group's regions
-        restrict = [0] * len(parents)  # per node (region root or outside equation)
-        for node in order:
-            ps = parents[node]
-            if not ps:
-                continue
-            mine = an.compiler[node] if node < base else None
-            acc = 0
-            same: list[int] = []
-            for p in ps:
-                if p < base:
-                    g = find(p)
-                    acc |= restrict[g]
-                    if an.compiler[p] == mine:
-                        same.append(p)
-                    else:
-                        acc |= 1 << p
-                else:
-                    acc |= restrict[p]
-            if node >= base:
-                restrict[node] = acc
-                continue
-            me = find(node)
-            for p in sorted(same):
-                g = find(p)
-                if g == me or members[g] & acc:
-                    continue
-                # merge the parent's group into this region's group
-                root, other = (g, me) if g < me else (me, g)
-                group[other] = root
-                members[root] |= members[other]
-                me = root
-            restrict[me] = acc
-        return _rebuild(program, an, node_of, find, base)
+        graph = node_graph(an)
+        find = _merge_groups(an.compiler, graph)
+        return _rebuild(program, an, graph.node_of, find)
 
     return run
 
 
-def _rebuild(program: Program, an: Any, node_of: list[int], find: Any, base: int) -> Program:
+def _merge_groups(compiler: list[str], graph: NodeGraph) -> Callable[[int], int]:
+    """Decide the merges; returns ``find`` mapping a region id to its merged group's root.
+
+    ``restrict[node]`` holds region ids (TVM's restriction set). A group none of whose members has an
+    unvisited child can never be asked about again, so it is dropped from the sets as they are
+    built ("dead"): the sets stay as small as the graph is wide, and the pass linear.
+    """
+    base = len(compiler)
+    group = list(range(base))
+
+    def find(r: int) -> int:
+        root = r
+        while group[root] != root:
+            root = group[root]
+        while group[r] != root:
+            group[r], r = root, group[r]
+        return root
+
+    left = list(graph.num_children)  # unvisited child edges, per group root / outside node
+    empty: frozenset[int] = frozenset()
+    restrict: list[Any] = [empty] * len(left)
+    for node in graph.order:
+        ps = graph.parents(node)
+        if not ps:
+            continue
+        mine = compiler[node] if node < base else None
+        acc: set[int] = set()
+        same: list[int] = []
+        for p in ps:
+            if p < base:
+                acc.update(restrict[find(p)])
+                if compiler[p] == mine:
+                    same.append(p)
+                else:
+                    acc.add(p)
+            else:
+                acc.update(restrict[p])
+        acc = {x for x in acc if left[find(x)] > 0} if acc else empty
+        if node < base:
+            me = find(node)
+            if same:
+                blocked = {find(x) for x in acc}
+                for p in sorted(same):
+                    g = find(p)
+                    if g == me or g in blocked:
+                        continue
+                    root, other = (g, me) if g < me else (me, g)
+                    group[other] = root
+                    left[root] += left[other]
+                    me = root
+            restrict[me] = acc
+        else:
+            restrict[node] = acc
+        for p in ps:  # this node's edges are visited now; forget what can no longer matter
+            k = find(p) if p < base else p
+            left[k] -= 1
+            if not left[k]:
+                restrict[k] = empty
+    return find
+
+
+def _rebuild(program: Program, an: Any, node_of: list[int], find: Callable[[int], int]) -> Program:
     """Drop the begin/end pairs that now sit inside one merged group."""
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns

@@ -45,7 +45,7 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
         known = dict(program.meta.get(META_KEY, {}))
         start = len(known)
         const_val = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        node_of, _, order = node_graph(an)
+        order = node_graph(an).order
         eqns = jaxpr.eqns
         subst: dict[Any, Any] = {}  # outer value -> outer value (duplicate region results)
         calls: dict[int, C.JaxprEqn] = {}

@@ -240,58 +240,108 @@ def _only_ends(eqn: C.JaxprEqn, eqns: list[C.JaxprEqn], users: dict[Any, list[in
     return comp
 
 
-def node_graph(an: Analysis) -> tuple[list[int], list[set[int]], list[int]]:
-    """The graph of regions (contracted) and outside equations.
+class NodeGraph:
+    """The graph of regions (contracted) and outside equations, in flat integer arrays (no container
+    per node, so big programs do not wake the garbage collector).
 
-    Returns ``(node_of_eqn, parents, order)``: node ids are region roots for regions and
-    ``num_regions + i`` for an outside equation ``i``; ``parents[node]`` are the nodes that produce
-    its operands; ``order`` is a topological order of the nodes (ties broken by program order).
-    Raises :class:`PartitionError` if the contracted graph has a cycle.
+    Node ids are region roots for regions and ``num_regions + i`` for an outside equation ``i``.
+    ``parents(k)`` lists the nodes producing node ``k``'s operands; ``order`` is a topological order
+    of the nodes (ties broken by program order); ``num_children[k]`` counts distinct child nodes.
     """
+
+    def __init__(
+        self,
+        node_of: list[int],
+        start: list[int],
+        flat: list[int],
+        order: list[int],
+        num_children: list[int],
+    ) -> None:
+        self.node_of, self._start, self._flat = node_of, start, flat
+        self.order, self.num_children = order, num_children
+
+    def parents(self, k: int) -> list[int]:
+        return self._flat[self._start[k] : self._start[k + 1]]
+
+
+def node_graph(an: Analysis) -> NodeGraph:
+    """Build the :class:`NodeGraph` of ``an``; raise :class:`PartitionError` if it has a cycle."""
     eqns = an.jaxpr.eqns
+    n = len(eqns)
     base = len(an.compiler)
-    node_of = [an.find(r) if r >= 0 else base + i for i, r in enumerate(an.region)]
-    num = base + len(eqns)
-    parents: list[set[int]] = [set() for _ in range(num)]
-    first = [len(eqns)] * num
+    find = an.find
+    node_of = [find(r) if r >= 0 else base + i for i, r in enumerate(an.region)]
+    num = base + n
+    first = [n] * num
     producer = an.producer
+    lit = C.Literal
+    seen: set[int] = set()
+    ec: list[int] = []
+    ep: list[int] = []
     for i, eqn in enumerate(eqns):
         me = node_of[i]
         if i < first[me]:
             first[me] = i
-        ps = parents[me]
         for v in eqn.invars:
-            if C.is_literal(v):
+            if isinstance(v, lit):
                 continue
             j = producer.get(v)
-            if j is not None and node_of[j] != me:
-                ps.add(node_of[j])
-    present = [first[k] < len(eqns) for k in range(num)]
-    children: list[list[int]] = [[] for _ in range(num)]
+            if j is None:
+                continue
+            p = node_of[j]
+            if p != me:
+                key = me * num + p
+                if key not in seen:
+                    seen.add(key)
+                    ec.append(me)
+                    ep.append(p)
+    del seen
     indeg = [0] * num
-    for k in range(num):
-        if present[k]:
-            for p in parents[k]:
-                children[p].append(k)
-            indeg[k] = len(parents[k])
-    heap = [(first[k], k) for k in range(num) if present[k] and indeg[k] == 0]
+    nch = [0] * num
+    for c, p in zip(ec, ep, strict=True):
+        indeg[c] += 1
+        nch[p] += 1
+    pstart = _offsets(indeg)
+    cstart = _offsets(nch)
+    pflat = [0] * len(ec)
+    cflat = [0] * len(ec)
+    pfill = pstart[:-1]
+    cfill = cstart[:-1]
+    for c, p in zip(ec, ep, strict=True):
+        pflat[pfill[c]] = p
+        pfill[c] += 1
+        cflat[cfill[p]] = c
+        cfill[p] += 1
+    del pfill, cfill, ec, ep
+    heap = [first[k] * num + k for k in range(num) if first[k] < n and indeg[k] == 0]
     heapq.heapify(heap)
     order: list[int] = []
     while heap:
-        _, k = heapq.heappop(heap)
+        k = heapq.heappop(heap) % num
         order.append(k)
-        for ch in children[k]:
+        for ch in cflat[cstart[k] : cstart[k + 1]]:
             indeg[ch] -= 1
             if indeg[ch] == 0:
-                heapq.heappush(heap, (first[ch], ch))
-    if len(order) != sum(present):
-        stuck = [k for k in range(num) if present[k] and indeg[k] > 0]
+                heapq.heappush(heap, first[ch] * num + ch)
+    present = sum(1 for k in range(num) if first[k] < n)
+    if len(order) != present:
+        stuck = [k for k in range(num) if first[k] < n and indeg[k] > 0]
         regs = [k for k in stuck if k < base]
         k = regs[0] if regs else stuck[0]
-        i = first[k]
         raise PartitionError(
-            f"the regions form a cycle: the region containing {an.describe(i)} depends on its own "
-            "results through equations outside it. Split the region (end it with compiler_end "
-            "before the path leaves it), or run merge_compiler_regions, which never makes a cycle."
+            f"the regions form a cycle: the region containing {an.describe(first[k])} depends on "
+            "its own results through equations outside it. Split the region (end it with "
+            "compiler_end before the path leaves it), or run merge_compiler_regions, which never "
+            "makes a cycle."
         )
-    return node_of, parents, order
+    return NodeGraph(node_of, pstart, pflat, order, nch)
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out = [0] * (len(counts) + 1)
+    total = 0
+    for k, c in enumerate(counts):
+        out[k] = total
+        total += c
+    out[-1] = total
+    return out
