@@ -1,0 +1,29 @@
+"""Quantization: schemes as data, and the annotate / calibrate / realize passes.
+
+``jaxq.quantize`` is both this package and a function: ``jaxq.quantize(f, calibration=...)``
+composes the three passes (``jaxq.quantize.annotate``, ``.calibrate``, ``.realize``), which are
+usable alone on a Program.
+"""
+
+import sys as _sys
+import types as _types
+
+from jaxq.quantize._annotate import annotate as annotate
+from jaxq.quantize._api import LayerReport as LayerReport
+from jaxq.quantize._api import QuantizedFunction as QuantizedFunction
+from jaxq.quantize._api import Report as Report
+from jaxq.quantize._api import quantize as quantize
+from jaxq.quantize._calibrate import calibrate as calibrate
+from jaxq.quantize._config import QConfig as QConfig
+from jaxq.quantize._config import Rule as Rule
+from jaxq.quantize._config import Scheme as Scheme
+from jaxq.quantize._lower import QuantizeError as QuantizeError
+from jaxq.quantize._realize import realize as realize
+
+
+class _CallableModule(_types.ModuleType):
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        return quantize(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,203 @@
+"""calibrate: run calibration data through the float program (jitted) and fix activation scales."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxq._program import Program
+from jaxq._walk import _Walker
+from jaxq.quantize._config import CALIBRATIONS, QConfig
+from jaxq.quantize._lower import (
+    ActParams,
+    Engine,
+    QState,
+    QuantizeError,
+    QWeight,
+    Site,
+    get_state,
+    lower,
+    range_to_qparams,
+    simulate_handler,
+    with_state,
+)
+from jaxq.quantize._observers import Observer, batch_stats
+from jaxq.transform import Pass, program_pass
+
+
+def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
+    """tqdm when it is installed, else one line on stderr at the end; silent when disabled."""
+    if not enabled:
+        yield from it
+        return
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        count = 0
+        for x in it:
+            count += 1
+            yield x
+        print(f"{desc}: {count} batches", file=sys.stderr)
+        return
+    yield from tqdm(it, desc=desc, unit="batch")
+
+
+def _observed_keys(state: QState) -> list[tuple[str, Site]]:
+    keys = []
+    for name, site in state.sites.items():
+        if site.activations is None or site.in_loop:
+            continue
+        keys.append((name, site))
+        if state.config.requantize == "fixed_point":
+            keys.append((name + ":out", site))
+    return keys
+
+
+def _observer_fn(state: QState, source: Program, histogram: bool) -> Callable[..., Any]:
+    """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program."""
+
+    def run(radii: dict[str, Any], *flat: Any) -> dict[str, Any]:
+        stats: dict[str, Any] = {}
+
+        def handle(visit: Any, site: Site, qw: QWeight, invals: list[Any]) -> Any:
+            y = visit.bind(*invals)
+            if not site.in_loop and site.activations is not None:
+                a = invals[1 - site.weight_index]
+                stats[site.name] = batch_stats(a, radii.get(site.name))
+                out_key = site.name + ":out"
+                if out_key in radii or state.config.requantize == "fixed_point":
+                    stats[out_key] = batch_stats(y, radii.get(out_key))
+            return y
+
+        engine = Engine(state, handle)
+        walker = _Walker(engine.rules(), source.names, source.layouts or {}, True, "quantize")
+        closed = source.jaxpr
+        walker.eval(closed.jaxpr, closed.consts, list(flat), ())
+        return stats
+
+    return jax.jit(run)
+
+
+def calibrate_program(
+    program: Program,
+    data: Iterable[Any],
+    *,
+    method: str | None = None,
+    percentile: float | None = None,
+    progress: bool = True,
+    retrace: Callable[..., Program] | None = None,
+) -> Program:
+    """See :func:`calibrate`. ``retrace(*args)`` gives the float program at new shapes (used by
+    ``jaxq.quantize``, which has the function); without it every batch must match the program."""
+    state = get_state(program, "calibrate")
+    config: QConfig = state.config
+    method = config.calibration if method is None else method
+    if method not in CALIBRATIONS:
+        raise ValueError(f"calibrate: method must be one of {CALIBRATIONS}; got {method!r}")
+    pct = config.percentile if percentile is None else percentile
+    if not 0 < pct <= 100:
+        raise ValueError(f"calibrate: percentile must be in (0, 100]; got {pct}")
+    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"calibrate: data must be an iterable of argument tuples; got {type(data).__name__}"
+        )
+    histogram = method != "minmax"
+    keys = _observed_keys(state)
+    observers = {k: Observer(k, histogram) for k, _ in keys}
+    fns: dict[Any, tuple[Program, Callable[..., Any]]] = {}
+    n = 0
+    for n, batch in enumerate(progress_bar(data, progress, "jaxq calibrate"), 1):
+        args = batch if isinstance(batch, tuple) else (batch,)
+        try:
+            source = state.source
+            flat = source.flatten_args(args, {})
+        except TypeError as e:
+            if retrace is None:
+                raise QuantizeError(
+                    f"calibrate: calibration batch {n - 1} does not match the program's "
+                    f"arguments:\n{e}"
+                ) from e
+            try:
+                source = retrace(*args)
+            except Exception as e2:
+                raise QuantizeError(
+                    f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
+                    f"{type(e2).__name__}: {e2}"
+                ) from e2
+            flat = source.flatten_args(args, {})
+        key = tuple((np.shape(x), np.result_type(x)) for x in flat)
+        if key not in fns:
+            fns[key] = (source, _observer_fn(state, source, histogram))
+        _, fn = fns[key]
+        if not observers:
+            continue
+        radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
+        stats = fn(radii if histogram and radii else {}, *flat) if histogram else fn({}, *flat)
+        stats = jax.device_get(stats)
+        for k, s in stats.items():
+            if int(s["nonfinite"]):
+                layer = k.removesuffix(":out")
+                where = "output" if k.endswith(":out") else "input"
+                raise QuantizeError(
+                    f"calibrate: NaN or Inf in the {where} of layer {layer!r} "
+                    f"(calibration batch {n - 1}); clean the calibration data"
+                )
+        if histogram:
+            grown = False
+            for k, s in stats.items():
+                o = observers[k]
+                r = o.radius_for(float(s["min"]), float(s["max"]))
+                if o.radius is None or r > o.radius:
+                    o.set_radius(r)
+                    grown = True
+            if grown or not radii:
+                radii = {k: np.float32(o.radius) for k, o in observers.items()}
+                stats = jax.device_get(fn(radii, *flat))
+        for k, s in stats.items():
+            observers[k].update(s)
+    if n == 0:
+        raise QuantizeError(
+            "calibrate: the calibration data is empty; pass at least one tuple of arguments"
+        )
+    act: dict[str, ActParams] = dict(state.act)
+    for k, site in keys:
+        o = observers[k]
+        if o.batches == 0:
+            continue
+        lo, hi = o.value_range(method, site.activations, pct)
+        scale, zp = range_to_qparams(lo, hi, site.activations)
+        act[k] = ActParams(float(scale), int(zp))
+    info = {"method": method, "batches": n, "percentile": pct if method == "percentile" else None}
+    state = state.replace(act=act, calibration=info)
+    out, _ = lower(state, simulate_handler(state))
+    return with_state(out, state.replace(mode="simulate"))
+
+
+def calibrate(
+    data: Iterable[Any],
+    method: str | None = None,
+    *,
+    percentile: float | None = None,
+    progress: bool = True,
+) -> Pass:
+    """A pass that runs ``data`` (an iterable of argument tuples; a one-shot iterator is used up by
+    the first run) through the float program, jitted, and stores activation scales per layer.
+
+    ``method`` (default: the annotated QConfig's): ``"minmax"``, ``"percentile"``, ``"entropy"``
+    (KL divergence, TensorRT style) or ``"mse"``. Memory is bounded: running min/max and a
+    fixed-size histogram per activation, never the activations themselves.
+    """
+    if method is not None and method not in CALIBRATIONS:
+        raise ValueError(f"calibrate: method must be one of {CALIBRATIONS}; got {method!r}")
+
+    @program_pass(name="quantize.calibrate")
+    def run(program: Program) -> Program:
+        return calibrate_program(
+            program, data, method=method, percentile=percentile, progress=progress
+        )
+
+    return run

@@ -1,0 +1,238 @@
+"""Quantization schemes as data: ``Scheme``, ``Rule`` and ``QConfig`` (frozen, keyword-only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from jaxq.annotate._simulated_quantize import ROUNDINGS
+
+GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token")
+CALIBRATIONS: tuple[str, ...] = ("minmax", "percentile", "entropy", "mse")
+REQUANTIZE: tuple[str, ...] = ("float", "fixed_point")
+INHERIT: Any = ...
+"""``Rule(weights=...)``: the rule keeps the QConfig's scheme for that side."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scheme:
+    """How one tensor is quantized.
+
+    Args:
+      bits: code width, 2..16 (realized integer code supports up to 8; 4 or fewer bits are stored
+        packed two per byte).
+      signed: signed codes (``[-2**(bits-1), 2**(bits-1) - 1]``) or unsigned (``[0, 2**bits - 1]``).
+      symmetric: zero point fixed at 0 (otherwise chosen by calibration).
+      granularity: one scale per ``"tensor"``, per output ``"channel"`` (weights), per ``"group"``
+        of ``group_size`` consecutive contraction elements and output channel (weights), or per
+        ``"token"`` (activations, computed at run time: needs ``QConfig(dynamic=True)``).
+      narrow_range: drop the lowest code (``[-127, 127]`` for signed 8 bits).
+      rounding: ``"nearest_even"``, ``"half_away_from_zero"``, ``"half_up"`` or ``"floor"``.
+    """
+
+    bits: int = 8
+    signed: bool = True
+    symmetric: bool = True
+    granularity: str = "tensor"
+    group_size: int | None = None
+    narrow_range: bool = False
+    rounding: str = "nearest_even"
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.bits):
+            raise TypeError(f"Scheme: bits must be an int; got {self.bits!r}")
+        if not 2 <= self.bits <= 16:
+            raise ValueError(f"Scheme: bits must be in [2, 16]; got {self.bits}")
+        for name in ("signed", "symmetric", "narrow_range"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Scheme: {name} must be a bool; got {getattr(self, name)!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"Scheme: granularity must be one of {GRANULARITIES}; got {self.granularity!r}"
+            )
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"Scheme: rounding must be one of {ROUNDINGS}; got {self.rounding!r}")
+        if self.granularity == "group":
+            if self.group_size is None:
+                raise ValueError(
+                    "Scheme: group_size must be set when granularity='group'; got None"
+                )
+            if not _is_int(self.group_size) or self.group_size <= 0:
+                raise ValueError(
+                    f"Scheme: group_size must be a positive int; got {self.group_size!r}"
+                )
+        elif self.group_size is not None:
+            raise ValueError(
+                f"Scheme: group_size only applies to granularity='group'; got "
+                f"group_size={self.group_size} with granularity={self.granularity!r}"
+            )
+        if self.narrow_range and not self.signed and self.symmetric:
+            raise ValueError(
+                "Scheme: narrow_range with an unsigned symmetric scheme leaves no code for zero "
+                "(range [1, 2**bits - 1] with zero point 0); drop narrow_range or use signed=True"
+            )
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        lo = -(2 ** (self.bits - 1)) if self.signed else 0
+        hi = 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
+        return lo + int(self.narrow_range), hi
+
+    def short(self) -> str:
+        """``int8 sym channel`` style summary for reports."""
+        kind = "int" if self.signed else "uint"
+        parts = [f"{kind}{self.bits}", "sym" if self.symmetric else "asym", self.granularity]
+        if self.group_size:
+            parts[-1] += f"({self.group_size})"
+        if self.narrow_range:
+            parts.append("narrow")
+        if self.rounding != "nearest_even":
+            parts.append(self.rounding)
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """Per-layer override, matched against equation names (``CNN/Dense_0/dot_general``).
+
+    Args:
+      pattern: regular expression searched in the equation name (None matches every name).
+      primitives: primitive names the rule applies to (None: any quantizable primitive).
+      weights, activations: the schemes for this layer; ``...`` keeps the QConfig's, ``None``
+        leaves that side in float (``weights=None`` leaves the layer unquantized).
+      skip: leave matching layers in float.
+    The first matching rule wins.
+    """
+
+    pattern: str | None = None
+    primitives: frozenset[str] | None = None
+    weights: Scheme | None | Any = INHERIT
+    activations: Scheme | None | Any = INHERIT
+    skip: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pattern is not None:
+            if not isinstance(self.pattern, str):
+                raise TypeError(f"Rule: pattern must be a str or None; got {self.pattern!r}")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"Rule: pattern {self.pattern!r} is not a valid regular expression: {e}"
+                ) from e
+        if self.primitives is not None:
+            prims = (self.primitives,) if isinstance(self.primitives, str) else self.primitives
+            prims = frozenset(prims)
+            if not all(isinstance(p, str) for p in prims):
+                raise TypeError(
+                    f"Rule: primitives must be primitive names; got {self.primitives!r}"
+                )
+            object.__setattr__(self, "primitives", prims)
+        for side in ("weights", "activations"):
+            v = getattr(self, side)
+            if v is not INHERIT and v is not None and not isinstance(v, Scheme):
+                raise TypeError(f"Rule: {side} must be a Scheme, None or ...; got {v!r}")
+        if not isinstance(self.skip, bool):
+            raise TypeError(f"Rule: skip must be a bool; got {self.skip!r}")
+
+    def matches(self, name: str, primitive: str) -> bool:
+        if self.primitives is not None and primitive not in self.primitives:
+            return False
+        return self.pattern is None or re.search(self.pattern, name) is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QConfig:
+    """What to quantize and how.
+
+    Defaults: weights int8 symmetric per output channel with the narrow range ``[-127, 127]``
+    (zero point 0, so the only zero-point term left in an integer dot is a constant vector);
+    activations int8 asymmetric per tensor (ReLU outputs are one-sided, and the zero-point term
+    ``za * sum(w)`` is precomputed per channel, so asymmetry is nearly free); min/max calibration;
+    float requantization.
+
+    Args:
+      weights: scheme for weights (arrays the function closes over, or ``weight_argnums``).
+      activations: scheme for activations; None quantizes weights only.
+      calibration: ``"minmax"``, ``"percentile"``, ``"entropy"`` (KL, TensorRT style) or ``"mse"``.
+      percentile: for ``calibration="percentile"``, the share of values kept, in (0, 100].
+      requantize: ``"float"`` (int32 accumulator times a float scale) or ``"fixed_point"``
+        (integer-only multiplier and rounding shift to an int8 output, gemmlowp style).
+      rules: per-layer ``Rule`` overrides, first match wins.
+      dynamic: compute activation scales at run time (per tensor, or per token where asked).
+    """
+
+    weights: Scheme = Scheme(granularity="channel", narrow_range=True)
+    activations: Scheme | None = Scheme(symmetric=False)
+    calibration: str = "minmax"
+    percentile: float = 99.99
+    requantize: str = "float"
+    rules: tuple[Rule, ...] = ()
+    dynamic: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, Scheme):
+            raise TypeError(f"QConfig: weights must be a Scheme; got {self.weights!r}")
+        if self.activations is not None and not isinstance(self.activations, Scheme):
+            raise TypeError(
+                f"QConfig: activations must be a Scheme or None; got {self.activations!r}"
+            )
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(
+                f"QConfig: calibration must be one of {CALIBRATIONS}; got {self.calibration!r}"
+            )
+        if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)):
+            raise TypeError(f"QConfig: percentile must be a number; got {self.percentile!r}")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"QConfig: percentile must be in (0, 100]; got {self.percentile}")
+        if self.requantize not in REQUANTIZE:
+            raise ValueError(
+                f"QConfig: requantize must be one of {REQUANTIZE}; got {self.requantize!r}"
+            )
+        if isinstance(self.rules, Rule) or not all(
+            isinstance(r, Rule) for r in (self.rules if hasattr(self.rules, "__iter__") else [1])
+        ):
+            raise TypeError(f"QConfig: rules must be a sequence of Rule; got {self.rules!r}")
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"QConfig: dynamic must be a bool; got {self.dynamic!r}")
+        if self.requantize == "fixed_point" and (self.activations is None or self.dynamic):
+            raise ValueError(
+                "QConfig: requantize='fixed_point' needs static activation scales (an int8 output "
+                "scale is calibrated per layer); got "
+                + ("activations=None" if self.activations is None else "dynamic=True")
+            )
+        check_weights(self.weights, "QConfig")
+        if self.activations is not None:
+            check_activations(self.activations, self.dynamic, "QConfig")
+        for i, r in enumerate(self.rules):
+            if isinstance(r.weights, Scheme):
+                check_weights(r.weights, f"QConfig: rules[{i}]")
+            if isinstance(r.activations, Scheme):
+                check_activations(r.activations, self.dynamic, f"QConfig: rules[{i}]")
+
+
+def check_weights(s: Scheme, where: str) -> None:
+    if s.granularity == "token":
+        raise ValueError(
+            f"{where}: weights cannot use granularity='token' (tokens are rows of an activation); "
+            "use 'tensor', 'channel' or 'group'"
+        )
+
+
+def check_activations(s: Scheme, dynamic: bool, where: str) -> None:
+    if s.granularity in ("channel", "group"):
+        raise ValueError(
+            f"{where}: activations cannot use granularity={s.granularity!r}: a scale along the "
+            "contracted axis does not factor out of an integer dot; use 'tensor' or 'token'"
+        )
+    if s.granularity == "token" and not dynamic:
+        raise ValueError(
+            f"{where}: activations with granularity='token' need QConfig(dynamic=True): the "
+            "tokens of a new input are not known at calibration time"
+        )

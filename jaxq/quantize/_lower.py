@@ -1,0 +1,500 @@
+"""The shared machinery of annotate / calibrate / realize.
+
+Every phase rewrites the *float* program kept in the quantization state (``program.meta["quantize"]``)
+through one table of rules, with one rule per quantizable primitive whose behaviour depends on the
+mode: ``"simulate"`` (fake-quantize with ``simulated_quantize``), ``"observe"`` (record statistics for
+calibration) or ``"realize"`` (integer code). Sites, calibrated scales and quantized weights are keyed
+by equation name, so a re-trace at new shapes finds them again.
+
+A weight is an operand whose value is known while rewriting: a constant of the jaxpr (arrays the
+function closes over), or one derived from constants only through pass-through ops (transpose,
+reshape, convert...), which are folded here. Calls to ``jit`` are inlined so that weights flow into
+their bodies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxq import _compat as C
+from jaxq._program import Program
+from jaxq._walk import Visit
+from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
+from jaxq.quantize._config import INHERIT, QConfig, Scheme
+
+QUANTIZABLE = ("dot_general", "conv_general_dilated")
+FOLDABLE = (
+    "transpose",
+    "reshape",
+    "convert_element_type",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+    "slice",
+    "rev",
+    "concatenate",
+    "reduce_precision",
+)
+INLINE = ("jit", "pjit", "closed_call", "core_call")
+META_KEY = "quantize"
+
+
+class QuantizeError(ValueError):
+    """A quantization phase cannot proceed; the message names the layer."""
+
+
+# ---- data kept in Program.meta -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One quantized equation."""
+
+    name: str
+    primitive: str
+    weight_index: int
+    weights: Scheme
+    activations: Scheme | None
+    rule: int | None
+    channel_axis: int  # weight axis with one scale per channel
+    contract_axes: tuple[int, ...]  # weight axes contracted away
+    reduce_axes: tuple[int, ...]  # activation axes reduced per token
+    in_loop: bool = False  # inside scan / while / cond: not reachable by calibration
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QWeight:
+    """A weight quantized once: signed codes (offset into the signed range of ``bits``) and the
+    scale / zero point broadcastable against the weight (zero point in code units, offset too)."""
+
+    codes: np.ndarray  # int8, the weight's shape
+    scale: np.ndarray  # float32, broadcastable to the weight (full size for groups)
+    zero_point: np.ndarray  # int32, same shape as scale
+    offset: int  # codes = unsigned codes + offset (0 for signed schemes)
+    bits: int
+    group_scale: np.ndarray | None = None  # [channels, groups] for granularity="group"
+    group_zero_point: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class ActParams:
+    scale: float
+    zero_point: int  # in the scheme's own code range (not offset)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QState:
+    """Everything the quantization passes share, stored as ``program.meta["quantize"]``."""
+
+    config: QConfig
+    source: Program  # the float program (named, with layouts)
+    sites: Mapping[str, Site]
+    skipped: Mapping[str, str]  # equation name -> why it stays float
+    weights: Mapping[str, QWeight]
+    act: Mapping[str, ActParams] = dataclasses.field(default_factory=dict)
+    matched_rules: frozenset[int] = frozenset()
+    calibration: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    mode: str = "simulate"
+
+    def replace(self, **changes: Any) -> QState:
+        return dataclasses.replace(self, **changes)
+
+
+def get_state(program: Program, who: str) -> QState:
+    state = program.meta.get(META_KEY) if program.meta else None
+    if not isinstance(state, QState):
+        raise QuantizeError(
+            f"{who}: the program carries no quantization state.\n"
+            "Run jaxq.quantize.annotate(config) on it first, e.g.\n"
+            "  program = jaxq.quantize.annotate(QConfig())(jaxq.trace(f, x))"
+        )
+    return state
+
+
+def with_state(program: Program, state: QState) -> Program:
+    meta = dict(program.meta or {})
+    meta[META_KEY] = state
+    return program.replace(meta=types.MappingProxyType(meta))
+
+
+# ---- rules: which scheme applies where ------------------------------------------------------------
+
+
+def resolve(
+    config: QConfig, name: str, primitive: str
+) -> tuple[Scheme | None, Scheme | None, int | None]:
+    """``(weights, activations, rule index)`` for an equation; weights None means float."""
+    for i, rule in enumerate(config.rules):
+        if rule.matches(name, primitive):
+            if rule.skip:
+                return None, None, i
+            w = config.weights if rule.weights is INHERIT else rule.weights
+            a = config.activations if rule.activations is INHERIT else rule.activations
+            return w, a, i
+    return config.weights, config.activations, None
+
+
+# ---- scales -------------------------------------------------------------------------------------
+
+
+def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.Array]:
+    """Scale and zero point (float32, scheme's code range) covering ``[lo, hi]`` (and 0)."""
+    qmin, qmax = scheme.qrange
+    lo = jnp.minimum(jnp.asarray(lo, jnp.float32), 0.0)
+    hi = jnp.maximum(jnp.asarray(hi, jnp.float32), 0.0)
+    if scheme.symmetric:
+        if scheme.signed:
+            scale = jnp.maximum(-lo, hi) / jnp.float32(2 ** (scheme.bits - 1) - 1)
+        else:
+            scale = hi / jnp.float32(qmax)
+    else:
+        scale = (hi - lo) / jnp.float32(qmax - qmin)
+    scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.float32(1.0))
+    if scheme.symmetric:
+        zp = jnp.zeros_like(scale)
+    else:
+        zp = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+    return scale, zp
+
+
+def codes(x: jax.Array, scale: jax.Array, zp: jax.Array, scheme: Scheme) -> jax.Array:
+    """Integer codes, as float32, computed exactly as ``simulated_quantize`` computes them."""
+    qmin, qmax = scheme.qrange
+    return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
+
+
+def storage_offset(scheme: Scheme) -> int:
+    """Shift that moves unsigned codes into the signed range (u8 never takes XLA's fast path)."""
+    return 0 if scheme.signed else -(2 ** (scheme.bits - 1))
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+
+def quantize_weight(w: Any, site: Site) -> QWeight:
+    """Quantize a weight once, with ``simulated_quantize``'s arithmetic (eagerly)."""
+    s = site.weights
+    with jax.ensure_compile_time_eval():
+        wf = jnp.asarray(w, jnp.float32)
+        if not bool(jnp.all(jnp.isfinite(wf))):
+            raise QuantizeError(f"quantize: weight of {site.name!r} holds NaN or Inf")
+        group_scale = group_zp = None
+        if s.granularity == "tensor":
+            scale, zp = range_to_qparams(jnp.min(wf), jnp.max(wf), s)
+            full_scale, full_zp = scale, zp
+        elif s.granularity == "channel":
+            axes = tuple(d for d in range(wf.ndim) if d != site.channel_axis)
+            scale, zp = range_to_qparams(
+                jnp.min(wf, axes, keepdims=True), jnp.max(wf, axes, keepdims=True), s
+            )
+            full_scale, full_zp = scale, zp
+        else:  # group: a 2-D weight, groups along the contracted axis, per channel
+            (k,) = site.contract_axes
+            wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
+            n, kk = wt.shape
+            g = s.group_size
+            blocks = wt.reshape(n, kk // g, g)
+            group_scale, group_zp = range_to_qparams(blocks.min(-1), blocks.max(-1), s)
+            full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
+            full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
+            del k
+        q = codes(wf, full_scale, full_zp, s)
+        off = storage_offset(s)
+        out = QWeight(
+            codes=np.asarray(q + off).astype(np.int8),
+            scale=np.asarray(full_scale, np.float32),
+            zero_point=np.asarray(full_zp + off).astype(np.int32),
+            offset=off,
+            bits=s.bits,
+            group_scale=None if group_scale is None else np.asarray(group_scale, np.float32),
+            group_zero_point=None if group_zp is None else np.asarray(group_zp + off, np.int32),
+        )
+    return out
+
+
+def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
+    """``simulated_quantize(w, kind="weight")`` with the weight's precomputed scales."""
+    s = site.weights
+    params = dict(
+        bits=s.bits,
+        signed=s.signed,
+        kind="weight",
+        rounding=s.rounding,
+        narrow_range=s.narrow_range,
+        ste="identity",
+    )
+    w = jnp.asarray(w)
+    zp = (qw.zero_point - qw.offset).astype(np.float32)
+    if s.granularity == "tensor":
+        return simulated_quantize_p.bind(
+            w, jnp.asarray(qw.scale), jnp.asarray(zp), axis=None, group_size=None, **params
+        )
+    if s.granularity == "channel":
+        c = site.channel_axis
+        return simulated_quantize_p.bind(
+            w,
+            jnp.asarray(qw.scale.reshape(-1)),
+            jnp.asarray(zp.reshape(-1)),
+            axis=c,
+            group_size=None,
+            **params,
+        )
+    # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
+    (k,) = site.contract_axes
+    wt = jnp.moveaxis(w, site.channel_axis, 0)
+    gzp = (qw.group_zero_point - qw.offset).astype(np.float32)
+    y = simulated_quantize_p.bind(
+        wt,
+        jnp.asarray(qw.group_scale),
+        jnp.asarray(gzp),
+        axis=1,
+        group_size=s.group_size,
+        **params,
+    )
+    del k
+    return jnp.moveaxis(y, 0, site.channel_axis)
+
+
+# ---- activations --------------------------------------------------------------------------------
+
+
+def act_qparams(
+    x: jax.Array, scheme: Scheme, site: Site, params: ActParams | None
+) -> tuple[jax.Array, jax.Array]:
+    """Static (calibrated) scale and zero point, or dynamic ones computed from ``x`` (per tensor,
+    or per token with keepdims over the site's reduce axes)."""
+    if params is not None:  # host constants: scale arithmetic folds in numpy
+        return np.float32(params.scale), np.float32(params.zero_point)
+    xf = lax.stop_gradient(x.astype(jnp.float32))
+    if scheme.granularity == "token":
+        ax = site.reduce_axes
+        return range_to_qparams(
+            jnp.min(xf, ax, keepdims=True), jnp.max(xf, ax, keepdims=True), scheme
+        )
+    return range_to_qparams(jnp.min(xf), jnp.max(xf), scheme)
+
+
+def fake_quant_act(
+    x: jax.Array, scale: jax.Array, zp: jax.Array, scheme: Scheme, site: Site
+) -> jax.Array:
+    params = dict(
+        bits=scheme.bits,
+        signed=scheme.signed,
+        kind="activation",
+        rounding=scheme.rounding,
+        narrow_range=scheme.narrow_range,
+        ste="identity",
+        group_size=None,
+    )
+    if np.ndim(scale) == 0:
+        return simulated_quantize_p.bind(
+            x, jnp.asarray(scale), jnp.asarray(zp), axis=None, **params
+        )
+    # per token: kept axes first, so the scale's leading dims line up with x's
+    kept = tuple(d for d in range(x.ndim) if d not in site.reduce_axes)
+    perm = kept + tuple(site.reduce_axes)
+    xt = jnp.transpose(x, perm)
+    shape = tuple(x.shape[d] for d in kept)
+    y = simulated_quantize_p.bind(xt, scale.reshape(shape), zp.reshape(shape), axis=None, **params)
+    return jnp.transpose(y, np.argsort(perm))
+
+
+# ---- geometry -----------------------------------------------------------------------------------
+
+
+def _dot_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
+    shapes = [v.aval.shape for v in visit.eqn.invars]
+    wc, wb = (lc, rc)[wi], (lb, rb)[wi]
+    ac = (lc, rc)[1 - wi]
+    free = [d for d in range(len(shapes[wi])) if d not in wc and d not in wb]
+    if not free:
+        return "the weight has no output-channel axis"
+    lay = visit.in_layouts[wi] if visit.in_layouts else None
+    letter = "O" if wi == 1 else "N"
+    channel = lay.index(letter) if lay and letter in lay else free[0]
+    return channel, tuple(wc), tuple(ac)
+
+
+def _conv_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    if wi != 1:
+        return "the convolution's input (not its kernel) is constant"
+    p = visit.params
+    if p["batch_group_count"] != 1:
+        return "batch_group_count > 1"
+    dn = p["dimension_numbers"]
+    lay = visit.in_layouts[1] if visit.in_layouts else None
+    channel = lay.index("O") if lay and "O" in lay else dn.rhs_spec[0]
+    nd = len(dn.rhs_spec)
+    lhs_nd = len(dn.lhs_spec)
+    contract = tuple(d for d in range(nd) if d != channel)
+    reduce = tuple(d for d in range(lhs_nd) if d != dn.lhs_spec[0])
+    return channel, contract, reduce
+
+
+def make_site(
+    visit: Visit,
+    config: QConfig,
+    wi: int,
+    weights: Scheme,
+    acts: Scheme | None,
+    rule: int | None,
+    in_loop: bool,
+) -> Site | str:
+    geo = (_dot_geometry if visit.primitive == "dot_general" else _conv_geometry)(visit, wi)
+    if isinstance(geo, str):
+        return geo
+    channel, contract, reduce = geo
+    w_aval = visit.eqn.invars[wi].aval
+    if weights.granularity == "group":
+        if visit.primitive != "dot_general" or len(w_aval.shape) != 2 or len(contract) != 1:
+            raise QuantizeError(
+                f"quantize: granularity='group' needs a 2-D weight with one contracted axis "
+                f"(a matmul); {visit.name!r} is a {visit.primitive} with weight shape "
+                f"{tuple(w_aval.shape)}. Use a Rule to give this layer 'channel' granularity."
+            )
+        k = w_aval.shape[contract[0]]
+        if k % weights.group_size:
+            raise QuantizeError(
+                f"quantize: group_size={weights.group_size} does not divide the contracted size "
+                f"{k} of {visit.name!r}"
+            )
+        if config.requantize == "fixed_point":
+            raise QuantizeError(
+                f"quantize: requantize='fixed_point' cannot combine group-wise weight scales "
+                f"({visit.name!r}); use requantize='float' or granularity='channel'"
+            )
+    return Site(
+        name=visit.name,
+        primitive=visit.primitive,
+        weight_index=wi,
+        weights=weights,
+        activations=acts,
+        rule=rule,
+        channel_axis=channel,
+        contract_axes=contract,
+        reduce_axes=reduce,
+        in_loop=in_loop,
+    )
+
+
+def is_concrete(v: Any) -> bool:
+    return not isinstance(v, jax.core.Tracer)
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+SiteHandler = Callable[[Visit, Site, QWeight, list[Any]], Any]
+
+
+class Engine:
+    """Rules shared by every mode; ``handler(visit, site, qweight, invals)`` does the mode's work."""
+
+    def __init__(self, state: QState, handler: SiteHandler, *, discover: bool = True) -> None:
+        self.state = state
+        self.handler = handler
+        self.sites: dict[str, Site] = {}
+        self.skipped: dict[str, str] = {}
+        self.weights: dict[str, QWeight] = dict(state.weights)
+        self.matched: set[int] = set()
+        self.inlined: set[tuple[Any, ...]] = {()}
+
+    def rules(self) -> dict[str, Any]:
+        table: dict[str, Any] = {p: self.site_rule for p in QUANTIZABLE}
+        table.update({p: self.fold_rule for p in FOLDABLE})
+        table.update({p: self.inline_rule for p in INLINE})
+        return table
+
+    def fold_rule(self, visit: Visit, *invals: Any) -> Any:
+        if invals and all(is_concrete(v) for v in invals):
+            with jax.ensure_compile_time_eval():
+                return visit.bind(*invals)
+        return visit.bind(*invals)
+
+    def inline_rule(self, visit: Visit, *invals: Any) -> Any:
+        subs = C.subjaxpr_params(visit.params)
+        if len(subs) != 1 or subs[0][1] is not None:
+            return visit.bind(*invals)
+        key, _, body = subs[0]
+        body = C.as_closed(body)
+        path = (*visit.path, key)
+        if visit.path[:-1] in self.inlined:
+            self.inlined.add(path)
+        walker = visit._walker
+        with C.set_name_stack(visit._stack):
+            outs = walker.eval(body.jaxpr, body.consts, list(invals), path)
+        return outs if visit.eqn.primitive.multiple_results else outs[0]
+
+    def site_rule(self, visit: Visit, *invals: Any) -> Any:
+        config = self.state.config
+        name = visit.name
+        weights, acts, rule = resolve(config, name, visit.primitive)
+        if rule is not None:
+            self.matched.add(rule)
+        if weights is None:
+            self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
+            return visit.bind(*invals)
+        concrete = [i for i, v in enumerate(invals) if is_concrete(v)]
+        if len(concrete) != 1:
+            self.skipped[name] = (
+                "no constant (weight) operand" if not concrete else "both operands constant"
+            )
+            return visit.bind(*invals)
+        wi = concrete[0]
+        in_loop = visit.path[:-1] not in self.inlined
+        site = make_site(visit, config, wi, weights, acts, rule, in_loop)
+        if isinstance(site, str):
+            self.skipped[name] = site
+            return visit.bind(*invals)
+        qw = self.weights.get(name)
+        if qw is None or qw.shape != tuple(np.shape(invals[wi])):
+            qw = quantize_weight(invals[wi], site)
+            self.weights[name] = qw
+        self.sites[name] = site
+        return self.handler(visit, site, qw, list(invals))
+
+
+def lower(
+    state: QState, handler: SiteHandler, source: Program | None = None
+) -> tuple[Program, Engine]:
+    """Rewrite the float program through the engine's rules (``rewrite`` re-traces it)."""
+    from jaxq._walk import rewrite
+
+    engine = Engine(state, handler)
+    out = rewrite(state.source if source is None else source, engine.rules(), scope="quantize")
+    return out, engine
+
+
+def simulate_handler(state: QState) -> SiteHandler:
+    def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> Any:
+        wi = site.weight_index
+        w_fq = fake_quant_weight(invals[wi], qw, site)
+        new = list(invals)
+        new[wi] = w_fq.astype(jnp.asarray(invals[wi]).dtype)
+        scheme = site.activations
+        if scheme is not None:
+            a = invals[1 - wi]
+            scale, zp = act_qparams(a, scheme, site, state.act.get(site.name))
+            new[1 - wi] = fake_quant_act(a, scale, zp, scheme, site)
+        y = visit.bind(*new)
+        out = state.act.get(site.name + ":out")
+        if state.config.requantize == "fixed_point" and out is not None and scheme is not None:
+            y = fake_quant_act(y, np.float32(out.scale), np.float32(out.zero_point), scheme, site)
+        return y
+
+    return handle

@@ -1,0 +1,167 @@
+"""Streaming activation statistics with bounded memory, and the scale each method derives.
+
+Each observed tensor keeps a running min / max and, for the histogram methods, a fixed-size
+histogram of ``NBINS`` bins over a symmetric range ``[-R, R]``. When a batch exceeds ``R`` the range
+doubles (as often as needed) and bins merge pairwise into the middle half, so memory never grows
+with the amount of data. The per-batch part runs inside the jitted calibration function.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxq.quantize._config import Scheme
+
+NBINS = 2048
+
+
+def batch_stats(x: jax.Array, radius: jax.Array | None) -> dict[str, jax.Array]:
+    """Traced: min, max, count of non-finite values and (with a radius) a histogram of ``x``."""
+    xf = x.astype(jnp.float32)
+    finite = jnp.isfinite(xf)
+    out = {
+        "min": jnp.min(jnp.where(finite, xf, jnp.inf)),
+        "max": jnp.max(jnp.where(finite, xf, -jnp.inf)),
+        "nonfinite": jnp.sum(~finite, dtype=jnp.int32),
+    }
+    if radius is not None:
+        idx = jnp.floor((xf + radius) * (NBINS / (2 * radius)))
+        idx = jnp.clip(jnp.where(finite, idx, 0), 0, NBINS - 1).astype(jnp.int32)
+        out["hist"] = jnp.zeros(NBINS, jnp.int32).at[idx.reshape(-1)].add(1)
+    return out
+
+
+class Observer:
+    """Host-side accumulator for one tensor."""
+
+    def __init__(self, name: str, histogram: bool) -> None:
+        self.name = name
+        self.histogram = histogram
+        self.min, self.max = math.inf, -math.inf
+        self.radius: float | None = None
+        self.hist = np.zeros(NBINS, np.int64) if histogram else None
+        self.batches = 0
+
+    def radius_for(self, lo: float, hi: float) -> float | None:
+        """The radius that covers ``[lo, hi]``, growing (doubling) the current one if needed."""
+        amax = max(abs(lo), abs(hi))
+        if self.radius is None:
+            return amax if amax > 0 else 1.0
+        r = self.radius
+        while r < amax:
+            r *= 2
+        return r
+
+    def set_radius(self, r: float) -> None:
+        if self.radius is not None and self.hist is not None:
+            while self.radius < r:  # merge bins pairwise into the middle half
+                merged = self.hist.reshape(NBINS // 2, 2).sum(1)
+                self.hist = np.zeros(NBINS, np.int64)
+                self.hist[NBINS // 4 : NBINS // 4 + NBINS // 2] = merged
+                self.radius *= 2
+        self.radius = r
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.min = min(self.min, float(stats["min"]))
+        self.max = max(self.max, float(stats["max"]))
+        if self.hist is not None:
+            self.hist += np.asarray(stats["hist"], np.int64)
+        self.batches += 1
+
+    # -- ranges ----------------------------------------------------------------------------------
+    def value_range(self, method: str, scheme: Scheme, percentile: float) -> tuple[float, float]:
+        lo, hi = self.min, self.max
+        if not math.isfinite(lo):  # no finite value seen
+            return 0.0, 0.0
+        if method == "minmax" or self.hist is None or self.hist.sum() == 0:
+            return lo, hi
+        if method == "percentile":
+            a, b = self._percentile(scheme, percentile)
+        elif method == "entropy":
+            t = self._entropy(scheme)
+            a, b = -t, t
+        else:
+            a, b = self._mse(scheme)
+        return max(lo, a), min(hi, b)
+
+    def _edges(self) -> np.ndarray:
+        return np.linspace(-self.radius, self.radius, NBINS + 1)
+
+    def _abs_hist(self) -> np.ndarray:
+        half = NBINS // 2
+        return self.hist[half:] + self.hist[:half][::-1]
+
+    def _percentile(self, scheme: Scheme, p: float) -> tuple[float, float]:
+        q = p / 100.0
+        if scheme.symmetric:
+            ah = self._abs_hist()
+            cdf = np.cumsum(ah) / ah.sum()
+            i = int(np.searchsorted(cdf, q))
+            t = (i + 1) * self.radius / (NBINS // 2)
+            return -t, t
+        cdf = np.cumsum(self.hist) / self.hist.sum()
+        edges = self._edges()
+        i_lo = int(np.searchsorted(cdf, 1 - q))
+        i_hi = int(np.searchsorted(cdf, q))
+        return float(edges[i_lo]), float(edges[min(i_hi + 1, NBINS)])
+
+    def _entropy(self, scheme: Scheme) -> float:
+        """TensorRT-style: the threshold whose clipped, quantized histogram has the least KL
+        divergence from the reference one."""
+        ah = self._abs_hist().astype(np.float64)
+        nb = len(ah)
+        levels = 2 ** (scheme.bits - 1) if scheme.signed or scheme.symmetric else 2**scheme.bits
+        levels = min(levels, nb)
+        last = int(np.nonzero(ah)[0].max()) + 1
+        if last <= levels:
+            return last * self.radius / nb
+        best, best_i = math.inf, last
+        step = max(1, (last - levels) // 256)
+        for i in range(levels, last + 1, step):
+            p = ah[:i].copy()
+            p[-1] += ah[i:].sum()
+            nonzero = ah[:i] > 0
+            chunks = np.array_split(np.arange(i), levels)
+            q = np.zeros(i)
+            for c in chunks:
+                nz = nonzero[c]
+                if nz.any():
+                    q[c[nz]] = ah[c].sum() / nz.sum()
+            q[-1] += 0.0
+            ps, qs = p / p.sum(), q / max(q.sum(), 1e-300)
+            mask = ps > 0
+            kl = float(np.sum(ps[mask] * np.log(ps[mask] / np.maximum(qs[mask], 1e-12))))
+            if kl < best:
+                best, best_i = kl, i
+        return best_i * self.radius / nb
+
+    def _mse(self, scheme: Scheme) -> tuple[float, float]:
+        """The clipping range (a fraction of min/max) with the least expected squared error."""
+        edges = self._edges()
+        centers = (edges[:-1] + edges[1:]) / 2
+        nz = self.hist > 0
+        c, w = centers[nz], self.hist[nz].astype(np.float64)
+        qmin, qmax = scheme.qrange
+        lo0, hi0 = min(self.min, 0.0), max(self.max, 0.0)
+        best, best_range = math.inf, (lo0, hi0)
+        for frac in np.linspace(0.1, 1.0, 91):
+            lo, hi = lo0 * frac, hi0 * frac
+            if scheme.symmetric:
+                amax = max(-lo, hi)
+                s = amax / (2 ** (scheme.bits - 1) - 1) if scheme.signed else hi / qmax
+                zp = 0.0
+            else:
+                s = (hi - lo) / (qmax - qmin)
+                zp = np.clip(np.round(qmin - lo / s), qmin, qmax) if s > 0 else 0.0
+            if not s > 0:
+                continue
+            fq = (np.clip(np.round(c / s) + zp, qmin, qmax) - zp) * s
+            err = float(np.sum(w * (c - fq) ** 2))
+            if err < best:
+                best, best_range = err, (lo, hi)
+        return best_range

@@ -1,0 +1,381 @@
+"""realize: lower annotated equations to integer code that XLA runs.
+
+* Weights are quantized once (``QWeight``) and stored as int8 constants, or packed two per byte for
+  4 bits or fewer (unpacked with two shifts at run time).
+* Activations are quantized with core ops (divide, round, add, clip, cast) to int8: unsigned schemes
+  are shifted into the signed range (their zero point shifts with them), because XLA:CPU's u8 x s8
+  dot never takes its fast path.
+* ``dot_general`` / ``conv_general_dilated`` run as int8 x int8 -> int32 with the original dimension
+  numbers; zero-point terms are expanded as in TVM's QNN lowering
+  (``sum((a - za)(w - zw)) = sum(a w) - za sum(w) - zw sum(a) + K za zw``), the weight sums
+  precomputed. A convolution with an activation zero point pads with that zero point explicitly.
+* Requantize: the int32 accumulator times the float scale ``sa * sw`` (fused by XLA), or an
+  integer-only fixed-point multiplier and rounding shift to int8 codes (``_fixed_point``), which are
+  then dequantized at the float boundary.
+* A 1-row matmul is padded to 2 rows: XLA:CPU widens a 1-row s8 dot to s32 (about 15x slower),
+  while 2 rows take the fast library kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxq._program import Program
+from jaxq._walk import Visit
+from jaxq.quantize import _fixed_point as F
+from jaxq.quantize._config import QConfig
+from jaxq.quantize._lower import (
+    QState,
+    QuantizeError,
+    QWeight,
+    Site,
+    SiteHandler,
+    act_qparams,
+    codes,
+    get_state,
+    lower,
+    storage_offset,
+    with_state,
+)
+from jaxq.transform import Pass, program_pass
+
+# ---- weight storage -----------------------------------------------------------------------------
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Signed codes in [-8, 7] -> int8 bytes, two per byte (low nibble first)."""
+    flat = np.asarray(q, np.int8).reshape(-1)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.int8)])
+    lo = flat[0::2].astype(np.uint8) & 0xF
+    hi = (flat[1::2].astype(np.uint8) & 0xF) << 4
+    return (lo | hi).astype(np.uint8).view(np.int8)
+
+
+def unpack_int4(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`pack_int4`, with arithmetic shifts (sign extension) on int8."""
+    lo = lax.shift_right_arithmetic(lax.shift_left(packed, jnp.int8(4)), jnp.int8(4))
+    hi = lax.shift_right_arithmetic(packed, jnp.int8(4))
+    flat = jnp.stack([lo, hi], axis=-1).reshape(-1)
+    return flat[: math.prod(shape)].reshape(shape)
+
+
+def weight_codes(qw: QWeight) -> jax.Array:
+    """The weight codes as an int8 value of the program: a constant, or unpacked from one."""
+    if qw.bits <= 4:
+        return unpack_int4(jnp.asarray(pack_int4(qw.codes)), qw.codes.shape)
+    return jnp.asarray(qw.codes)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _host(*vs: Any) -> bool:
+    """True when every value is a host constant: then scale arithmetic is folded in numpy and
+    lands in the program as one constant."""
+    return all(isinstance(v, (np.ndarray, np.generic, int, float)) for v in vs)
+
+
+def _xp(*vs: Any) -> Any:
+    return np if _host(*vs) else jnp
+
+
+def _dot_to_out(v: Any, operand: int, dn: Any, ranks: tuple[int, int]) -> Any:
+    """An array over one operand's axes (contracted axes of size 1) -> broadcastable to the
+    dot_general output (batch dims in dimension-number order, lhs free, rhs free)."""
+    if np.ndim(v) == 0:
+        return v
+    xp = _xp(v)
+    (lc, rc), (lb, rb) = dn
+    contract, batch = (lc, rc)[operand], (lb, rb)[operand]
+    free = [d for d in range(ranks[operand]) if d not in contract and d not in batch]
+    other_free = [
+        d
+        for d in range(ranks[1 - operand])
+        if d not in (lc, rc)[1 - operand] and d not in (lb, rb)[1 - operand]
+    ]
+    v = xp.transpose(v, [*batch, *free, *contract])
+    v = v.reshape(v.shape[: len(batch) + len(free)])
+    ones = (1,) * len(other_free)
+    nb, nf = len(batch), len(free)
+    shape = v.shape[:nb] + (ones + v.shape[nb:] if operand == 1 else v.shape[nb : nb + nf] + ones)
+    return v.reshape(shape)
+
+
+def _static_act(state: QState, site: Site, who: str) -> Any:
+    params = state.act.get(site.name)
+    if params is None and not state.config.dynamic and not site.in_loop:
+        raise QuantizeError(
+            f"{who}: layer {site.name!r} has no calibrated activation scale.\n"
+            "Run jaxq.quantize.calibrate(data) before realize, or use QConfig(dynamic=True) to "
+            "compute activation scales at run time."
+        )
+    return params
+
+
+def _check_bits(site: Site) -> None:
+    for side, s in (("weights", site.weights), ("activations", site.activations)):
+        if s is not None and s.bits > 8:
+            raise QuantizeError(
+                f"realize: {site.name!r} uses {s.bits}-bit {side}; integer code supports at most "
+                "8 bits. Use mode='simulate' for wider codes, or a Rule with bits <= 8."
+            )
+
+
+def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> None:
+    """Bound |accumulator| on the host; int32 must hold both the raw and the corrected sums."""
+    qmin, qmax = a_scheme.qrange
+    off = storage_offset(a_scheme)
+    amax_raw = max(abs(qmin + off), abs(qmax + off))
+    amax_centered = qmax - qmin if za is None else max(abs(qmin - za), abs(qmax - za))
+    axes = tuple(d for d in range(qw.codes.ndim) if d != site.channel_axis)
+    c = qw.codes.astype(np.int64)
+    raw = np.abs(c).sum(axis=axes).max() * amax_raw
+    centered = np.abs(c - qw.zero_point).sum(axis=axes).max() * amax_centered
+    bound = max(int(raw), int(centered))
+    if bound >= 2**31:
+        k = math.prod(qw.codes.shape[d] for d in axes)
+        raise QuantizeError(
+            f"realize: the int32 accumulator of {site.name!r} could overflow (bound {bound} over "
+            f"{k} products >= 2**31). Use fewer bits, or skip this layer with a Rule."
+        )
+
+
+# ---- the integer lowerings ----------------------------------------------------------------------
+
+
+def _quantize_act(a: jax.Array, scheme: Any, sa: Any, za: Any) -> tuple[jax.Array, Any]:
+    off = storage_offset(scheme)
+    q = codes(a, sa, za, scheme)
+    qa = (q + off if off else q).astype(jnp.int8)
+    za_s = za + off
+    return qa, (np.int32(za_s) if _host(za) else za_s.astype(jnp.int32))
+
+
+def _int_dot(
+    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any
+) -> tuple[jax.Array, Any]:
+    """int32 accumulator of ``sum((qa - za)(qw - zw))`` and the float scale of each output."""
+    dn = visit.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = dn
+    wi = site.weight_index
+    ai = 1 - wi
+    scheme = site.activations
+    qa, za_s = _quantize_act(a, scheme, sa, za)
+    wq = weight_codes(qw)
+    ranks = (qa.ndim, wq.ndim) if wi == 1 else (wq.ndim, qa.ndim)
+    a_contract = (lc, rc)[ai]
+    a_free = [d for d in range(qa.ndim) if d not in a_contract and d not in (lb, rb)[ai]]
+    pad_rows = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
+    # a 1-row s8 dot is slow on XLA:CPU; 2 rows take the fast kernel
+    qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
+    ops = (qa_in, wq) if wi == 1 else (wq, qa_in)
+    acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.int32)
+    if pad_rows:
+        acc = lax.slice_in_dim(acc, 0, 1, axis=0)
+    w_contract = (lc, rc)[wi]
+    zp_a = not (scheme.symmetric and scheme.signed)
+    zp_w = bool(np.any(qw.zero_point != 0))
+    to_out_a = lambda v: _dot_to_out(v, ai, dn, ranks)
+    to_out_w = lambda v: _dot_to_out(v, wi, dn, ranks)
+    if zp_a:
+        colsum = qw.codes.astype(np.int32).sum(axis=w_contract, keepdims=True)
+        acc = acc - to_out_a(za_s) * to_out_w(colsum)
+    if zp_w:
+        k = math.prod(qw.codes.shape[d] for d in w_contract)
+        zw = qw.zero_point
+        rowsum = jnp.sum(qa.astype(jnp.int32), axis=a_contract, keepdims=True)
+        acc = acc - to_out_w(zw) * to_out_a(rowsum) + k * to_out_a(za_s) * to_out_w(zw)
+    scale = to_out_a(sa) * to_out_w(qw.scale)
+    return acc, scale
+
+
+def _int_dot_grouped(
+    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any
+) -> jax.Array:
+    """Group-wise weight scales: one int32 dot per group (a batch dim), scaled and summed in f32."""
+    dn = visit.params["dimension_numbers"]
+    (lc, rc), _ = dn
+    wi = site.weight_index
+    (ka,) = (lc, rc)[1 - wi]
+    scheme = site.activations
+    g = site.weights.group_size
+    qa, za_s = _quantize_act(a, scheme, sa, za)
+    wq = jnp.moveaxis(weight_codes(qw), site.channel_axis, -1)  # [K, N]
+    kk, n = wq.shape
+    groups = kk // g
+    qa_t = jnp.moveaxis(qa, ka, -1)
+    lead = qa_t.shape[:-1]
+    qa_g = qa_t.reshape(*lead, groups, g)
+    nd = qa_g.ndim
+    acc = lax.dot_general(
+        qa_g,
+        wq.reshape(groups, g, n),
+        (((nd - 1,), (1,)), ((nd - 2,), (0,))),
+        preferred_element_type=jnp.int32,
+    )  # [G, lead..., N]
+    expand = (1,) * len(lead)
+    if not (scheme.symmetric and scheme.signed):
+        colsum = np.asarray(wq).astype(np.int32).reshape(groups, g, n).sum(1)
+        za_g = jnp.moveaxis(za_s, ka, -1) if jnp.ndim(za_s) else za_s
+        acc = (
+            acc - za_g[None] * jnp.asarray(colsum.reshape(groups, *expand, n))
+            if jnp.ndim(za_g)
+            else acc - za_g * jnp.asarray(colsum.reshape(groups, *expand, n))
+        )
+    gzp = qw.group_zero_point.T  # [G, N]
+    if np.any(gzp != 0):
+        rowsum = jnp.moveaxis(jnp.sum(qa_g.astype(jnp.int32), axis=-1), -1, 0)[..., None]
+        zw = jnp.asarray(gzp.reshape(groups, *expand, n))
+        za_g = jnp.moveaxis(za_s, ka, -1)[None] if jnp.ndim(za_s) else za_s
+        acc = acc - zw * rowsum + g * za_g * zw
+    gs = jnp.asarray(qw.group_scale.T.reshape(groups, *expand, n))
+    y = jnp.sum(acc.astype(jnp.float32) * gs, axis=0)
+    sa_t = jnp.moveaxis(jnp.asarray(sa, jnp.float32), ka, -1) if jnp.ndim(sa) else sa
+    y = y * sa_t
+    return y if wi == 1 else jnp.moveaxis(y, -1, 0)
+
+
+def _int_conv(
+    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any
+) -> tuple[jax.Array, Any]:
+    p = visit.params
+    dn = p["dimension_numbers"]
+    scheme = site.activations
+    qa, za_s = _quantize_act(a, scheme, sa, za)
+    wq = weight_codes(qw)
+    nsp = len(dn.lhs_spec) - 2
+    padding, lhs_dil = p["padding"], p["lhs_dilation"]
+    zp_a = not (scheme.symmetric and scheme.signed)
+    if zp_a and (any(lo or hi for lo, hi in padding) or any(d != 1 for d in lhs_dil)):
+        # the padded zeros must be the activation's zero point: pad explicitly
+        cfg = [(0, 0, 0)] * qa.ndim
+        for i in range(nsp):
+            lo, hi = padding[i]
+            cfg[dn.lhs_spec[2 + i]] = (lo, hi, lhs_dil[i] - 1)
+        mask = lax.pad(jnp.zeros(qa.shape, jnp.bool_), jnp.bool_(True), cfg)
+        qa = jnp.where(mask, za_s.astype(jnp.int8), lax.pad(qa, jnp.int8(0), cfg))
+        padding, lhs_dil = ((0, 0),) * nsp, (1,) * nsp
+
+    def conv(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        return lax.conv_general_dilated(
+            lhs,
+            rhs,
+            p["window_strides"],
+            padding,
+            lhs_dil,
+            p["rhs_dilation"],
+            dn,
+            p["feature_group_count"],
+            1,
+            None,
+            preferred_element_type=jnp.int32,
+        )
+
+    acc = conv(qa, wq)
+    out_rank = len(dn.out_spec)
+
+    def per_channel(v: Any) -> Any:  # a weight-channel vector -> broadcastable to the output
+        if np.ndim(v) == 0:
+            return v
+        shape = [1] * out_rank
+        shape[dn.out_spec[1]] = -1
+        return _xp(v).reshape(v, shape)
+
+    def per_sample(v: Any) -> Any:  # an activation scalar or per-sample (token) value
+        if np.ndim(v) == 0:
+            return v
+        shape = [1] * out_rank
+        shape[dn.out_spec[0]] = -1
+        return _xp(v).reshape(v, shape)
+
+    w_axes = tuple(d for d in range(wq.ndim) if d != site.channel_axis)
+    if zp_a:
+        colsum = qw.codes.astype(np.int32).sum(axis=w_axes)
+        acc = acc - per_sample(za_s) * per_channel(colsum)
+    zw = qw.zero_point.reshape(-1) if qw.zero_point.size > 1 else qw.zero_point.reshape(())
+    if np.any(zw != 0):
+        k = math.prod(qw.codes.shape[d] for d in w_axes)
+        window = conv(qa, jnp.ones(wq.shape, jnp.int8))
+        zw_out = per_channel(zw)
+        acc = acc - zw_out * window + k * per_sample(za_s) * zw_out
+    w_scale = qw.scale.reshape(-1) if qw.scale.size > 1 else qw.scale.reshape(())
+    return acc, per_sample(sa) * per_channel(w_scale)
+
+
+def realize_handler(state: QState) -> SiteHandler:
+    config = state.config
+
+    def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> Any:
+        _check_bits(site)
+        wi = site.weight_index
+        out_dtype = visit.eqn.outvars[0].aval.dtype
+        scheme = site.activations
+        if scheme is None:  # weight-only: dequantize the stored codes at the float boundary
+            w = (
+                weight_codes(qw).astype(jnp.float32) - jnp.asarray(qw.zero_point, jnp.float32)
+            ) * jnp.asarray(qw.scale)
+            new = list(invals)
+            new[wi] = w.astype(jnp.asarray(invals[wi]).dtype)
+            return visit.bind(*new)
+        a = invals[1 - wi]
+        params = _static_act(state, site, "realize")
+        sa, za = act_qparams(a, scheme, site, params)
+        _check_overflow(site, qw, scheme, None if params is None else params.zero_point)
+        if site.weights.granularity == "group":
+            return _int_dot_grouped(visit, site, qw, a, sa, za).astype(out_dtype)
+        lower = _int_dot if site.primitive == "dot_general" else _int_conv
+        acc, scale = lower(visit, site, qw, a, sa, za)
+        out = state.act.get(site.name + ":out")
+        if config.requantize == "fixed_point":
+            if out is None:
+                raise QuantizeError(
+                    f"realize: requantize='fixed_point' needs the output scale of {site.name!r}; "
+                    "calibrate the program annotated with this config first"
+                )
+            off = storage_offset(scheme)
+            qmin, qmax = scheme.qrange
+            mult = np.asarray(scale, np.float64) / np.float64(out.scale)
+            m, e = F.quantize_multipliers(mult)
+            zo = out.zero_point + off
+            q = F.requantize(acc, jnp.asarray(m), jnp.asarray(e), zo, qmin + off, qmax + off)
+            q = q.astype(jnp.int8)
+            return ((q.astype(jnp.int32) - zo).astype(jnp.float32) * jnp.float32(out.scale)).astype(
+                out_dtype
+            )
+        return (acc.astype(jnp.float32) * scale).astype(out_dtype)
+
+    return handle
+
+
+def realize_program(program: Program, config: QConfig | None = None) -> Program:
+    state = get_state(program, "realize")
+    if config is not None and config != state.config:
+        raise QuantizeError(
+            "realize: config differs from the one the program was annotated with; annotate "
+            "(and calibrate) again with the new config"
+        )
+    state = state.replace(mode="realize")
+    out, engine = lower(state, realize_handler(state))
+    state = state.replace(weights=engine.weights)
+    return with_state(out, state)
+
+
+def realize(config: QConfig | None = None) -> Pass:
+    """A pass that lowers an annotated (and calibrated) program to integer code: int8 weights
+    stored once, int8 x int8 -> int32 dots and convolutions, and float or fixed-point
+    requantization. ``config`` (optional) must be the one the program was annotated with."""
+    if config is not None and not isinstance(config, QConfig):
+        raise TypeError(f"realize: config must be a jaxq.QConfig; got {type(config).__name__}")
+
+    @program_pass(name="quantize.realize")
+    def run(program: Program) -> Program:
+        return realize_program(program, config)
+
+    return run
