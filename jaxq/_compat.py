@@ -217,3 +217,10 @@ def make_jaxpr(
         tuple(f"result[{i}]" for i in range(len(outvars))),
     )
     return Jaxpr(constvars, invars, outvars, eqns, frozenset(effects), info)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a tracer (we are inside jit, vmap, grad...)."""
+    from jax._src import core as _core
+
+    return isinstance(x, _core.Tracer)

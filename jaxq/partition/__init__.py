@@ -8,10 +8,19 @@ fn = build(pipeline(program), backends={"dnnl": "host"})
 """
 
 from jaxq.partition._annotate_target import annotate_target as annotate_target
+from jaxq.partition._backends import BackendError as BackendError
+from jaxq.partition._backends import UnknownBackendError as UnknownBackendError
+from jaxq.partition._backends import register_backend as register_backend
+from jaxq.partition._backends import registered_backends as registered_backends
+from jaxq.partition._backends import unregister_backend as unregister_backend
+from jaxq.partition._backends import xla_backend as xla_backend
+from jaxq.partition._build import BackendFallbackWarning as BackendFallbackWarning
+from jaxq.partition._build import build as build
 from jaxq.partition._merge import merge_compiler_regions as merge_compiler_regions
 from jaxq.partition._partition_graph import RegionInfo as RegionInfo
 from jaxq.partition._partition_graph import partition_graph as partition_graph
 from jaxq.partition._partition_graph import regions as regions
+from jaxq.partition._placement import plan_devices as plan_devices
 from jaxq.partition._regions import AnnotationError as AnnotationError
 from jaxq.partition._regions import PartitionError as PartitionError
 from jaxq.partition._support import UnknownCompilerError as UnknownCompilerError

@@ -1,0 +1,283 @@
+"""Backends: ``codegen(region_program) -> callable`` registered by compiler name.
+
+Built in: ``"xla"`` (XLA, optionally on a chosen device: :func:`xla_backend`) and ``"host"`` (a
+reference external runtime: the region is interpreted with numpy on the host, called through
+``jax.pure_callback`` so it still works under ``jit``). ``"onnxruntime"`` registers itself when the
+optional ``onnx`` and ``onnxruntime`` packages are installed (see ``_onnx.py``).
+
+A callable returned by a codegen takes the region's flat inputs and returns a sequence of its flat
+outputs. It may carry ``jittable = False`` when it must run eagerly (it moves data between devices,
+for instance); :func:`jaxq.build` then runs the program eagerly too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxq import _compat as C
+from jaxq._program import Program
+
+Codegen = Callable[[Program], Callable[..., Sequence[Any]]]
+
+_BACKENDS: dict[str, Codegen] = {}
+
+
+class UnknownBackendError(KeyError):
+    """No backend registered under a name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class BackendError(RuntimeError):
+    """A backend failed to compile or run a region; the message names the region."""
+
+
+def register_backend(compiler: str, codegen: Codegen) -> None:
+    """Run regions of ``compiler`` with ``codegen(region_program)``, which returns a callable taking
+    the region's flat inputs and returning a sequence of its flat outputs."""
+    if not isinstance(compiler, str) or not compiler:
+        raise TypeError(f"register_backend: compiler must be a non-empty string; got {compiler!r}")
+    if not callable(codegen):
+        raise TypeError(f"register_backend: codegen must be callable; got {codegen!r}")
+    _BACKENDS[compiler] = codegen
+
+
+def unregister_backend(compiler: str) -> None:
+    _BACKENDS.pop(compiler, None)
+
+
+def registered_backends() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str, *, region: str | None = None) -> Codegen:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        where = f" for region {region!r}" if region else ""
+        known = ", ".join(sorted(_BACKENDS))
+        raise UnknownBackendError(
+            f"unknown backend {name!r}{where} (registered: {known}). Register one with "
+            f"jaxq.partition.register_backend({name!r}, codegen), or map the compiler to a known "
+            f"backend: jaxq.build(program, backends={{{name!r}: 'xla'}})."
+        ) from None
+
+
+def _device(device: Any) -> jax.Device:
+    if isinstance(device, jax.Device):
+        return device
+    from jaxq.annotate._on_device import canonical_device
+
+    platform, _, index = canonical_device(device).partition(":")
+    return jax.devices(platform)[int(index)]
+
+
+def xla_backend(device: Any = None) -> Codegen:
+    """A codegen that compiles regions with XLA; on ``device`` (``"cpu:1"`` or a ``jax.Device``)
+    when given (that callable runs eagerly: inputs are copied to the device, results stay there)."""
+    dev = None if device is None else _device(device)
+
+    def codegen(region: Program) -> Callable[..., Sequence[Any]]:
+        fn = jax.jit(C.jaxpr_as_fun(region.jaxpr))
+        if dev is None:
+            return fn
+        sharding = jax.sharding.SingleDeviceSharding(dev)
+        placed = jax.jit(C.jaxpr_as_fun(region.jaxpr), out_shardings=sharding)
+
+        def run(*args: Any) -> Sequence[Any]:
+            return placed(*(jax.device_put(a, dev) for a in args))
+
+        run.jittable = False  # type: ignore[attr-defined]
+        return run
+
+    return codegen
+
+
+# -- the host backend: a numpy interpreter ----------------------------------------------------------
+
+
+def _dot_general(x: np.ndarray, y: np.ndarray, **p: Any) -> np.ndarray:
+    (cx, cy), (bx, by) = p["dimension_numbers"]
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    sx = [next(letters) for _ in range(x.ndim)]
+    sy = [next(letters) for _ in range(y.ndim)]
+    for a, b in zip(cx, cy, strict=True):
+        sy[b] = sx[a]
+    for a, b in zip(bx, by, strict=True):
+        sy[b] = sx[a]
+    batch = [sx[a] for a in bx]
+    free_x = [s for i, s in enumerate(sx) if i not in cx and i not in bx]
+    free_y = [s for i, s in enumerate(sy) if i not in cy and i not in by]
+    spec = f"{''.join(sx)},{''.join(sy)}->{''.join(batch + free_x + free_y)}"
+    out = np.einsum(spec, x, y)
+    dt = p.get("preferred_element_type") or np.result_type(x, y)
+    return out.astype(dt)
+
+
+def _broadcast_in_dim(x: np.ndarray, **p: Any) -> np.ndarray:
+    shape, dims = p["shape"], p["broadcast_dimensions"]
+    expanded = [1] * len(shape)
+    for i, d in enumerate(dims):
+        expanded[d] = x.shape[i]
+    return np.broadcast_to(x.reshape(expanded), shape)
+
+
+def _reduce(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda x, **p: fn(x, axis=tuple(p["axes"]))
+
+
+def _select_n(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
+    return (
+        np.choose(which.astype(np.int32), cases)
+        if len(cases) > 2
+        else np.where(which, cases[1], cases[0])
+    )
+
+
+HOST_RULES: dict[str, Callable[..., Any]] = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": lambda x, y: np.divide(x, y) if np.issubdtype(x.dtype, np.floating) else x // y,
+    "max": np.maximum,
+    "min": np.minimum,
+    "neg": np.negative,
+    "sin": np.sin,
+    "cos": np.cos,
+    "tanh": np.tanh,
+    "exp": np.exp,
+    "log": np.log,
+    "abs": np.abs,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1 / np.sqrt(x),
+    "logistic": lambda x: 1 / (1 + np.exp(-x)),
+    "sign": np.sign,
+    "square": np.square,
+    "integer_pow": lambda x, y: x**y,
+    "pow": np.power,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "select_n": _select_n,
+    "dot_general": _dot_general,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": lambda x, **p: x.reshape(p["new_sizes"]),
+    "transpose": lambda x, **p: np.transpose(x, p["permutation"]),
+    "convert_element_type": lambda x, **p: x.astype(p["new_dtype"]),
+    "reduce_sum": _reduce(np.sum),
+    "reduce_max": _reduce(np.max),
+    "reduce_min": _reduce(np.min),
+    "squeeze": lambda x, **p: np.squeeze(x, tuple(p["dimensions"])),
+    "expand_dims": lambda x, **p: np.expand_dims(x, tuple(p["dimensions"])),
+    "copy": np.copy,
+    "copy_p": np.copy,
+}
+_INLINE = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
+_PARAMS = {
+    "dot_general",
+    "broadcast_in_dim",
+    "reshape",
+    "transpose",
+    "convert_element_type",
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "squeeze",
+    "expand_dims",
+}
+_POSITIONAL = {"integer_pow": "y"}
+
+
+def unsupported_host_primitives(jaxpr: C.Jaxpr) -> set[str]:
+    bad: set[str] = set()
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if name in _INLINE:
+            sub = e.params[_INLINE[name]]
+            bad |= unsupported_host_primitives(sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub)
+        elif name not in HOST_RULES:
+            bad.add(name)
+    return bad
+
+
+def eval_host(jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[np.ndarray]:
+    """Evaluate ``jaxpr`` with numpy (the host backend's runtime)."""
+    env: dict[Any, Any] = {}
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = np.asarray(x)
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = np.asarray(x)
+
+    def read(a: Any) -> Any:
+        return np.asarray(a.val) if C.is_literal(a) else env[a]
+
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        ins = [read(a) for a in e.invars]
+        if name in _INLINE:
+            sub = C.as_closed(e.params[_INLINE[name]])
+            outs = eval_host(sub.jaxpr, sub.consts, ins)
+        else:
+            rule = HOST_RULES[name]
+            if name in _PARAMS:
+                out = rule(*ins, **e.params)
+            elif name in _POSITIONAL:
+                out = rule(*ins, e.params[_POSITIONAL[name]])
+            else:
+                out = rule(*ins)
+            outs = [out]
+        for v, o in zip(e.outvars, outs, strict=True):
+            env[v] = np.asarray(o, dtype=v.aval.dtype)
+    return [read(a) for a in jaxpr.outvars]
+
+
+def callback_runner(region: Program, host_fn: Callable[..., Sequence[Any]]) -> Callable[..., Any]:
+    """Run ``host_fn`` (numpy in, numpy out) as the region's implementation through
+    ``jax.pure_callback``; a failure inside names the region."""
+    result = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in region.jaxpr.out_avals]
+
+    def host(*args: Any) -> list[np.ndarray]:
+        try:
+            outs = host_fn(*args)
+        except Exception as e:
+            raise BackendError(
+                f"region {region.name!r} failed on its backend: {type(e).__name__}: {e}"
+            ) from e
+        return [
+            np.asarray(o, dtype=r.dtype).reshape(r.shape) for o, r in zip(outs, result, strict=True)
+        ]
+
+    def run(*args: Any) -> Sequence[Any]:
+        return jax.pure_callback(host, result, *args, vmap_method="sequential")
+
+    return run
+
+
+def host_codegen(region: Program) -> Callable[..., Sequence[Any]]:
+    closed = region.jaxpr
+    bad = unsupported_host_primitives(closed.jaxpr)
+    if bad:
+        raise BackendError(
+            f"the host backend cannot run region {region.name!r}: no numpy rule for "
+            f"{sorted(bad)} (it has rules for {len(HOST_RULES)} primitives, see "
+            "jaxq.partition._backends.HOST_RULES)"
+        )
+    consts = [np.asarray(c) for c in closed.consts]
+    return callback_runner(region, lambda *args: eval_host(closed.jaxpr, consts, args))
+
+
+register_backend("xla", xla_backend())
+register_backend("host", host_codegen)

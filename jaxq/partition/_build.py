@@ -1,0 +1,158 @@
+"""``build``: run a partitioned (and placed) program, each region on its backend."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jaxq import _compat as C
+from jaxq._program import Program
+from jaxq.partition._backends import BackendError, Codegen, get_backend, xla_backend
+from jaxq.partition._partition_graph import regions
+from jaxq.partition._placement import META_KEY as PLACEMENT_KEY
+from jaxq.partition._placement import device_of
+
+
+class BackendFallbackWarning(UserWarning):
+    """A region's backend failed and the region runs with XLA instead (``build(fallback="xla")``)."""
+
+
+def build(
+    program: Program,
+    *,
+    backends: Mapping[str, str | Codegen] | None = None,
+    fallback: str | None = None,
+    jit: bool = True,
+) -> Callable[..., Any]:
+    """A function with ``program``'s signature that runs every region (see
+    :func:`jaxq.partition.regions`) on its backend and everything else with XLA.
+
+    Args:
+      backends: ``compiler -> backend name or codegen``; a compiler not listed uses the backend
+        registered under its own name.
+      fallback: ``"xla"`` to run a region whose backend fails (to compile it, or, when running
+        eagerly, to run it) with XLA instead, with a :class:`BackendFallbackWarning`; ``None`` (the
+        default) raises :class:`BackendError` naming the region.
+      jit: compile the whole function with ``jax.jit`` where every backend allows it. Programs
+        placed by ``plan_devices`` run eagerly: one compiled call per device segment, with real
+        copies between devices.
+    """
+    if fallback not in (None, "xla"):
+        raise ValueError(f"build: fallback must be None or 'xla'; got {fallback!r}")
+    backends = dict(backends or {})
+    runners: dict[str, Callable[..., Sequence[Any]]] = {}
+    for r in regions(program):
+        choice = backends.get(r.compiler, r.compiler)
+        codegen = choice if callable(choice) else get_backend(choice, region=r.name)
+        label = choice if isinstance(choice, str) else getattr(choice, "__name__", "codegen")
+        try:
+            fn = codegen(r.program())
+            if not callable(fn):
+                raise TypeError(f"codegen returned {type(fn).__name__}, not a callable")
+        except Exception as e:
+            msg = (
+                f"backend {label!r} failed to compile region {r.name!r} (compiler {r.compiler!r}, "
+                f"primitives {list(r.primitives)}): {type(e).__name__}: {e}"
+            )
+            if fallback != "xla":
+                raise BackendError(msg + "\nPass fallback='xla' to run it with XLA instead.") from e
+            warnings.warn(
+                msg + "; running it with XLA instead", BackendFallbackWarning, stacklevel=2
+            )
+            fn = xla_backend()(r.program())
+        runners[r.name] = _guard(fn, r.name, label, r.program() if fallback == "xla" else None)
+    placement = dict(program.meta.get(PLACEMENT_KEY, {}))
+    jittable = all(getattr(f, "jittable", True) for f in runners.values()) and not placement
+    closed = program.jaxpr
+
+    def interp(jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [C.read_atom(v, env) for v in eqn.invars]
+            name = eqn.params.get("name") if C.is_call_eqn(eqn) else None
+            if name in runners:
+                outs = list(runners[name](*invals))
+            elif name in segments:
+                outs = list(segments[name](*invals))
+            elif C.is_call_eqn(eqn) and _holds_region(eqn, runners):
+                sub = eqn.params["jaxpr"]
+                outs = interp(sub.jaxpr, sub.consts, invals)
+            else:
+                with C.eqn_context(eqn):
+                    outs = C.bind(eqn, invals, eqn.params)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [C.read_atom(v, env) for v in jaxpr.outvars]
+
+    segments: dict[str, Callable[..., Any]] = {}
+    for eqn in closed.jaxpr.eqns:
+        name = eqn.params.get("name") if C.is_call_eqn(eqn) else None
+        if name in placement:
+            segments[name] = _segment_runner(
+                eqn.params["jaxpr"], device_of(placement[name]), interp
+            )
+
+    def flat_run(*flat: Any) -> list[Any]:
+        return interp(closed.jaxpr, closed.consts, flat)
+
+    run = jax.jit(flat_run) if (jit and jittable) else flat_run
+
+    def fun(*args: Any, **kwargs: Any) -> Any:
+        flat = program.flatten_args(args, kwargs)
+        return jax.tree.unflatten(program.out_tree, run(*flat))
+
+    fun.__name__ = fun.__qualname__ = program.name
+    fun.jittable = jittable  # type: ignore[attr-defined]
+    return fun
+
+
+def _holds_region(eqn: C.JaxprEqn, runners: Mapping[str, Any]) -> bool:
+    return any(
+        C.is_call_eqn(e) and (e.params.get("name") in runners or _holds_region(e, runners))
+        for e in eqn.params["jaxpr"].jaxpr.eqns
+    )
+
+
+def _segment_runner(closed: C.ClosedJaxpr, device: jax.Device, interp: Any) -> Callable[..., Any]:
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    n_in, n_out = len(closed.in_avals), len(closed.out_avals)
+
+    def body(*args: Any) -> list[Any]:
+        return interp(closed.jaxpr, closed.consts, args)
+
+    return jax.jit(body, in_shardings=(sharding,) * n_in, out_shardings=[sharding] * n_out)
+
+
+def _guard(
+    fn: Callable[..., Sequence[Any]], region: str, backend: str, fallback: Program | None
+) -> Callable[..., Sequence[Any]]:
+    """Name the region in errors raised while running it (eagerly); fall back to XLA if asked."""
+    xla: list[Any] = []
+
+    def run(*args: Any) -> Sequence[Any]:
+        try:
+            return fn(*args)
+        except BackendError:
+            raise
+        except Exception as e:
+            if isinstance(e, jax.errors.JAXTypeError) or _tracing(args):
+                raise
+            msg = f"backend {backend!r} failed to run region {region!r}: {type(e).__name__}: {e}"
+            if fallback is None:
+                raise BackendError(msg) from e
+            warnings.warn(
+                msg + "; running it with XLA instead", BackendFallbackWarning, stacklevel=2
+            )
+            if not xla:
+                xla.append(xla_backend()(fallback))
+            return xla[0](*args)
+
+    run.jittable = getattr(fn, "jittable", True)  # type: ignore[attr-defined]
+    return run
+
+
+def _tracing(args: Sequence[Any]) -> bool:
+    return any(C.is_tracer(a) for a in args)

@@ -1,0 +1,192 @@
+"""Backends, build and device placement: regions really run where they are sent."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxq
+from jaxq import partition as P
+from jaxq.annotate import on_device
+from jaxq.transform import Sequential
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    for c in ("A", "B", "boom"):
+        P.unregister_compiler(c)
+        P.unregister_backend(c)
+
+
+def partitioned(f, args, *compilers):
+    prog = jaxq.trace(f, *args)
+    return Sequential(
+        [P.annotate_target(list(compilers)), P.merge_compiler_regions(), P.partition_graph()]
+    )(prog)
+
+
+X = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+W = (np.random.default_rng(1).standard_normal((3, 3)) * 0.5).astype(np.float32)
+
+
+def mlp(x):
+    h = jnp.tanh(x @ W)
+    return jnp.cos(h) + h * 2.0
+
+
+@pytest.fixture
+def mlp_program():
+    for p in ("dot_general", "tanh", "mul", "add"):
+        P.register_op_support("A", p)
+    return partitioned(mlp, (X,), "A")
+
+
+@pytest.mark.parametrize("backend", ["host", "xla"])
+def test_build_runs_regions_on_their_backend(mlp_program, backend):
+    assert [r.compiler for r in P.regions(mlp_program)] == ["A", "A"]
+    fn = P.build(mlp_program, backends={"A": backend})
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-5, atol=1e-6)
+    assert fn.jittable
+    traced = str(jax.make_jaxpr(fn)(X))
+    assert ("pure_callback" in traced) == (backend == "host")
+
+
+def test_host_backend_really_calls_the_host(mlp_program, monkeypatch):
+    from jaxq.partition import _backends
+
+    calls = []
+    real = _backends.eval_host
+    monkeypatch.setattr(_backends, "eval_host", lambda *a: calls.append(1) or real(*a))
+    fn = P.build(mlp_program, backends={"A": "host"})
+    fn(X)
+    assert len(calls) == 2  # one per region
+
+
+def test_a_registered_codegen_gets_the_region_program(mlp_program):
+    seen = []
+
+    def codegen(region):
+        seen.append((region.name, [e.primitive for e in region.equations()]))
+        run = jax.jit(region.as_fun())
+        return lambda *args: run(*args)
+
+    P.register_backend("A", codegen)
+    fn = P.build(mlp_program)
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+    assert seen == [
+        ("A_mlp_0", ["dot_general", "tanh", "mul"]),  # cos (unsupported) splits off the add
+        ("A_mlp_1", ["add"]),
+    ]
+
+
+def test_unknown_backend_names_region_and_fix(mlp_program):
+    with pytest.raises(P.UnknownBackendError, match=r"unknown backend 'A' for region 'A_mlp_0'"):
+        P.build(mlp_program)
+    with pytest.raises(P.UnknownBackendError, match="'nope'"):
+        P.build(mlp_program, backends={"A": "nope"})
+
+
+def test_backend_that_raises_names_the_region_or_falls_back(mlp_program):
+    def broken(region):
+        raise RuntimeError("no kernel for this")
+
+    P.register_backend("A", broken)
+    with pytest.raises(P.BackendError, match=r"region 'A_mlp_0'.*no kernel for this"):
+        P.build(mlp_program)
+    with pytest.warns(P.BackendFallbackWarning, match="A_mlp_") as record:
+        fn = P.build(mlp_program, fallback="xla")
+    assert ["A_mlp_0" in str(w.message) for w in record] == [True, False]
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+
+
+def test_backend_failing_at_run_time_names_the_region(mlp_program):
+    def flaky(region):
+        def run(*args):
+            raise ValueError("device lost")
+
+        return run
+
+    P.register_backend("A", flaky)
+    fn = P.build(mlp_program, jit=False)
+    with pytest.raises(P.BackendError, match=r"failed to run region 'A_mlp_0'.*device lost"):
+        fn(X)
+    fn = P.build(mlp_program, jit=False, fallback="xla")
+    with pytest.warns(P.BackendFallbackWarning):
+        np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+
+
+def test_host_backend_refuses_what_it_cannot_run():
+    P.register_op_support("A", "cumsum")
+    prog = partitioned(lambda x: jnp.cumsum(x, axis=0), (X,), "A")
+    with pytest.raises(P.BackendError, match=r"host backend cannot run region.*cumsum"):
+        P.build(prog, backends={"A": "host"})
+
+
+def test_xla_backend_on_a_chosen_device(mlp_program):
+    fn = P.build(mlp_program, backends={"A": P.xla_backend("cpu:3")})
+    assert not fn.jittable
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+
+
+# -- device placement -------------------------------------------------------------------------------
+
+
+def placed(x):
+    a = on_device(jnp.sin(x) * 2.0, "cpu:2")  # sin, mul on cpu:2
+    b = on_device(jnp.cos(a), "cpu:1")  # cos on cpu:1, a copied there
+    return a + 1.0, b, x * 3.0  # add follows its operand (cpu:2); x * 3 stays on cpu:0
+
+
+def test_plan_devices_makes_segments_and_explicit_copies():
+    prog = P.plan_devices()(jaxq.trace(placed, X))
+    eqns = prog.jaxpr.jaxpr.eqns
+    kinds = [e.params.get("name", e.primitive.name) for e in eqns]
+    assert kinds == [
+        "device_put",
+        "placed_cpu_2_0",
+        "device_put",
+        "placed_cpu_1_1",
+        "placed_cpu_0_2",
+    ]
+    devices = [e.params["devices"][0].id for e in eqns if e.primitive.name == "device_put"]
+    assert devices == [2, 1]
+    assert "on_device" not in str(prog.jaxpr)
+    seg = {
+        e.params["name"]: [x.primitive.name for x in e.params["jaxpr"].jaxpr.eqns]
+        for e in eqns
+        if "name" in e.params
+    }
+    assert seg["placed_cpu_2_0"] == ["sin", "mul", "add"]
+    for got, want in zip(prog(X), placed(X), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_placed_program_runs_on_the_requested_devices():
+    prog = P.plan_devices()(jaxq.trace(placed, X))
+    a1, b, x3 = P.build(prog)(X)
+    devs = jax.devices()
+    assert a1.devices() == {devs[2]}
+    assert b.devices() == {devs[1]}
+    assert x3.devices() == {devs[0]}
+    for got, want in zip((a1, b, x3), placed(X), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_on_device_of_an_input_is_a_copy():
+    prog = P.plan_devices()(jaxq.trace(lambda x: on_device(x, "cpu:3"), X))
+    (out,) = jax.tree.leaves(P.build(prog)(X))
+    assert out.devices() == {jax.devices()[3]}
+    np.testing.assert_array_equal(out, X)
+
+
+def test_placement_with_regions_on_a_backend(mlp_program):
+    def f(x):
+        return on_device(mlp(x), "cpu:1")
+
+    for p in ("dot_general", "tanh", "mul", "add"):
+        P.register_op_support("A", p)
+    prog = P.plan_devices()(partitioned(f, (X,), "A"))
+    out = P.build(prog, backends={"A": "host"})(X)
+    assert out.devices() == {jax.devices()[1]}
+    np.testing.assert_allclose(out, mlp(X), rtol=1e-5, atol=1e-6)
