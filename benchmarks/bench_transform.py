@@ -71,9 +71,16 @@ def measure(kind: str, n: int, repeats: int) -> dict:
     t_lay = _median(lambda: layouts(prog), repeats)
     total = t_trace + t_ident + t_names + t_lay
     return {
-        "graph": kind, "equations": eqns, "make_jaxpr_s": t_make, "trace_s": t_trace,
-        "identity_s": t_ident, "name_expressions_s": t_names, "infer_layouts_s": t_lay,
-        "total_s": total, "ms_per_1k": 1e3 * total / eqns * 1000, "vs_make_jaxpr": total / t_make,
+        "graph": kind,
+        "equations": eqns,
+        "make_jaxpr_s": t_make,
+        "trace_s": t_trace,
+        "identity_s": t_ident,
+        "name_expressions_s": t_names,
+        "infer_layouts_s": t_lay,
+        "total_s": total,
+        "ms_per_1k": 1e3 * total / eqns * 1000,
+        "vs_make_jaxpr": total / t_make,
     }
 
 
@@ -86,13 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))
 
     rows = [measure(kind, n, args.repeats) for kind in ("chain", "residual") for n in args.sizes]
-    head = (f"{'graph':<9}{'eqns':>7}{'make_jaxpr':>12}{'trace':>9}{'identity':>10}{'names':>8}"
-            f"{'layouts':>9}{'total':>9}{'ms/1k':>8}{'x make':>8}")
+    head = (
+        f"{'graph':<9}{'eqns':>7}{'make_jaxpr':>12}{'trace':>9}{'identity':>10}{'names':>8}"
+        f"{'layouts':>9}{'total':>9}{'ms/1k':>8}{'x make':>8}"
+    )
     print(head)
     for r in rows:
-        print(f"{r['graph']:<9}{r['equations']:>7}{r['make_jaxpr_s']:>12.3f}{r['trace_s']:>9.3f}"
-              f"{r['identity_s']:>10.3f}{r['name_expressions_s']:>8.3f}{r['infer_layouts_s']:>9.3f}"
-              f"{r['total_s']:>9.3f}{r['ms_per_1k']:>8.1f}{r['vs_make_jaxpr']:>8.2f}")
+        print(
+            f"{r['graph']:<9}{r['equations']:>7}{r['make_jaxpr_s']:>12.3f}{r['trace_s']:>9.3f}"
+            f"{r['identity_s']:>10.3f}{r['name_expressions_s']:>8.3f}{r['infer_layouts_s']:>9.3f}"
+            f"{r['total_s']:>9.3f}{r['ms_per_1k']:>8.1f}{r['vs_make_jaxpr']:>8.2f}"
+        )
     ratios = {}
     for kind in ("chain", "residual"):
         by_n = {r["equations"]: r for r in rows if r["graph"] == kind}
@@ -101,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             big, small = by_n[sizes[-1]], by_n[sizes[-2]]
             ratios[kind] = big["total_s"] / small["total_s"]
             scale = big["equations"] / small["equations"]
-            print(f"{kind}: time ratio {sizes[-1]}/{sizes[-2]} eqns = {ratios[kind]:.2f} "
-                  f"(size ratio {scale:.2f}; goal <= 2.2 for 20k/10k)")
+            print(
+                f"{kind}: time ratio {sizes[-1]}/{sizes[-2]} eqns = {ratios[kind]:.2f} "
+                f"(size ratio {scale:.2f}; goal <= 2.2 for 20k/10k)"
+            )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows, "ratios": ratios, "jax": jax.__version__}, fh, indent=2)
