@@ -16,6 +16,12 @@ from jaxq.partition._backends import unregister_backend as unregister_backend
 from jaxq.partition._backends import xla_backend as xla_backend
 from jaxq.partition._build import BackendFallbackWarning as BackendFallbackWarning
 from jaxq.partition._build import build as build
+from jaxq.partition._composite import Match as Match
+from jaxq.partition._composite import Pattern as Pattern
+from jaxq.partition._composite import is_constant as is_constant
+from jaxq.partition._composite import is_op as is_op
+from jaxq.partition._composite import merge_composite as merge_composite
+from jaxq.partition._composite import wildcard as wildcard
 from jaxq.partition._merge import merge_compiler_regions as merge_compiler_regions
 from jaxq.partition._partition_graph import RegionInfo as RegionInfo
 from jaxq.partition._partition_graph import partition_graph as partition_graph

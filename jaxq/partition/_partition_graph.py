@@ -185,7 +185,8 @@ class RegionInfo:
 
 
 def regions(program: Program) -> list[RegionInfo]:
-    """The regions of a partitioned program, in program order."""
+    """The regions of a partitioned program, in program order. ``primitives`` lists the primitive
+    names of each region's equations; a composite shows as its pattern name."""
     known = program.meta.get(META_KEY)
     pattern = None
     if known is None:
@@ -207,7 +208,7 @@ def regions(program: Program) -> list[RegionInfo]:
             RegionInfo(
                 name,
                 compiler,
-                tuple(e.primitive.name for e in sub.jaxpr.eqns),
+                tuple(_label(e) for e in sub.jaxpr.eqns),
                 len(sub.jaxpr.invars),
                 len(sub.jaxpr.outvars),
                 i,
@@ -215,3 +216,9 @@ def regions(program: Program) -> list[RegionInfo]:
             )
         )
     return out
+
+
+def _label(eqn: C.JaxprEqn) -> str:
+    """A primitive's name; a composite (a jit named ``"<compiler>.<pattern>"``) by its name."""
+    name = eqn.params.get("name", "") if C.is_call_eqn(eqn) else ""
+    return name if "." in name else eqn.primitive.name
