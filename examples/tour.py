@@ -1,79 +1,36 @@
 """A tour of jaxq's foundation on real data: trace a CNN, run passes, read names and layouts.
 
-Trains a small CNN on scikit-learn's digits (shipped with the package, no download) for a few
-seconds, traces it into a jaxq Program, runs a pipeline of passes under instruments (timing, a
-numeric check on real images, well-formedness), and shows the result is an ordinary JAX function.
+Trains a small CNN on scikit-learn's digits (shipped with the package, no download) in seconds,
+traces it into a jaxq Program, runs a pipeline of passes under instruments (timing, a numeric
+check on real images, well-formedness), and shows the result is an ordinary JAX function.
 
 Run: python examples/tour.py
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from sklearn.datasets import load_digits
 
 import jaxq
 from jaxq import transform as T
 
-
-def init(key: jax.Array) -> dict:
-    k1, k2, k3 = jax.random.split(key, 3)
-    return {
-        "conv0": (jax.random.normal(k1, (3, 3, 1, 8)) * 0.3, jnp.zeros(8)),
-        "conv1": (jax.random.normal(k2, (3, 3, 8, 16)) * 0.1, jnp.zeros(16)),
-        "dense": (jax.random.normal(k3, (16 * 4 * 4, 10)) * 0.05, jnp.zeros(10)),
-    }
-
-
-def cnn(params: dict, x: jax.Array) -> jax.Array:
-    """NHWC images (N, 8, 8, 1) -> logits (N, 10). Named scopes play the role of Flax modules."""
-    with jax.named_scope("CNN"):
-        for i in range(2):
-            k, b = params[f"conv{i}"]
-            with jax.named_scope(f"Conv_{i}"):
-                x = lax.conv_general_dilated(
-                    x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-                )
-                x = jax.nn.relu(x + b)
-        x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-        w, b = params["dense"]
-        with jax.named_scope("Dense_0"):
-            return x.reshape(x.shape[0], -1) @ w + b
-
-
-def train(x: np.ndarray, y: np.ndarray, steps: int = 300) -> dict:
-    params = init(jax.random.key(0))
-
-    def loss(p, xb, yb):
-        logp = jax.nn.log_softmax(cnn(p, xb))
-        return -jnp.mean(jnp.take_along_axis(logp, yb[:, None], axis=1))
-
-    @jax.jit
-    def step(p, xb, yb):
-        g = jax.grad(loss)(p, xb, yb)
-        return jax.tree.map(lambda a, d: a - 0.1 * d, p, g)
-
-    rng = np.random.default_rng(0)
-    for _ in range(steps):
-        idx = rng.integers(0, len(x), 128)
-        params = step(params, x[idx], y[idx])
-    return params
+sys.path.insert(0, str(Path(__file__).parent))
+import digits  # noqa: E402
+from digits import cnn  # noqa: E402
 
 
 def main() -> None:
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    y = digits.target.astype(np.int32)
-    x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:], y[1400:]
-
+    data = digits.load()
+    x_test, y_test = data.x_test, data.y_test
     t0 = time.perf_counter()
-    params = train(x_train, y_train)
-    acc = float(np.mean(np.argmax(jax.jit(cnn)(params, x_test), -1) == y_test))
+    params = digits.train("cnn", data)
+    acc = digits.accuracy(jax.jit(functools.partial(cnn, params)), x_test, y_test)
     print(f"trained CNN in {time.perf_counter() - t0:.1f}s; float test accuracy {acc:.4f}")
 
     program = jaxq.trace(cnn, params, x_test[:64])
