@@ -221,19 +221,16 @@ def _int_dot_grouped(
         preferred_element_type=jnp.int32,
     )  # [G, lead..., N]
     expand = (1,) * len(lead)
+    # per-token values ([lead..., 1] after moving the contracted axis last) gain the group dim
+    za_g = jnp.moveaxis(za_s, ka, -1)[None] if np.ndim(za_s) else za_s
     if not (scheme.symmetric and scheme.signed):
-        colsum = np.asarray(wq).astype(np.int32).reshape(groups, g, n).sum(1)
-        za_g = jnp.moveaxis(za_s, ka, -1) if jnp.ndim(za_s) else za_s
-        acc = (
-            acc - za_g[None] * jnp.asarray(colsum.reshape(groups, *expand, n))
-            if jnp.ndim(za_g)
-            else acc - za_g * jnp.asarray(colsum.reshape(groups, *expand, n))
-        )
+        w_kn = np.moveaxis(qw.codes, site.channel_axis, -1).astype(np.int32)
+        colsum = w_kn.reshape(groups, g, n).sum(1).reshape(groups, *expand, n)
+        acc = acc - za_g * colsum
     gzp = qw.group_zero_point.T  # [G, N]
     if np.any(gzp != 0):
         rowsum = jnp.moveaxis(jnp.sum(qa_g.astype(jnp.int32), axis=-1), -1, 0)[..., None]
-        zw = jnp.asarray(gzp.reshape(groups, *expand, n))
-        za_g = jnp.moveaxis(za_s, ka, -1)[None] if jnp.ndim(za_s) else za_s
+        zw = gzp.reshape(groups, *expand, n)
         acc = acc - zw * rowsum + g * za_g * zw
     gs = jnp.asarray(qw.group_scale.T.reshape(groups, *expand, n))
     y = jnp.sum(acc.astype(jnp.float32) * gs, axis=0)

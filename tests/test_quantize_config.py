@@ -1,0 +1,118 @@
+"""Scheme / Rule / QConfig: defaults, validation messages, rule matching."""
+
+import dataclasses
+import re
+
+import pytest
+
+from jaxq.quantize import QConfig, Rule, Scheme
+
+
+def test_defaults():
+    c = QConfig()
+    assert c.weights == Scheme(granularity="channel", narrow_range=True)
+    assert c.activations == Scheme(symmetric=False)
+    assert (c.calibration, c.requantize, c.dynamic, c.rules) == ("minmax", "float", False, ())
+    assert Scheme().qrange == (-128, 127)
+    assert Scheme(narrow_range=True).qrange == (-127, 127)
+    assert Scheme(bits=4, signed=False).qrange == (0, 15)
+
+
+def test_frozen_and_keyword_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Scheme().bits = 4
+    with pytest.raises(TypeError):
+        Scheme(8)  # keyword-only
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bits": 1}, "Scheme: bits must be in [2, 16]; got 1"),
+        ({"bits": 17}, "Scheme: bits must be in [2, 16]; got 17"),
+        ({"granularity": "row"}, "granularity must be one of"),
+        (
+            {"granularity": "group"},
+            "Scheme: group_size must be set when granularity='group'; got None",
+        ),
+        ({"granularity": "group", "group_size": 0}, "group_size must be a positive int"),
+        (
+            {"granularity": "channel", "group_size": 8},
+            "group_size only applies to granularity='group'",
+        ),
+        ({"rounding": "up"}, "rounding must be one of"),
+        ({"signed": False, "narrow_range": True}, "leaves no code for zero"),
+    ],
+)
+def test_scheme_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scheme(**kwargs)
+
+
+def test_scheme_types():
+    with pytest.raises(TypeError, match="bits must be an int"):
+        Scheme(bits=8.0)
+    with pytest.raises(TypeError, match="signed must be a bool"):
+        Scheme(signed=1)
+
+
+def test_rule_regex_must_compile():
+    with pytest.raises(
+        ValueError, match=r"Rule: pattern '\(Dense' is not a valid regular expression"
+    ):
+        Rule(pattern="(Dense")
+
+
+def test_rule_matching_and_primitives():
+    r = Rule(pattern=r"Dense_\d/", primitives={"dot_general"})
+    assert r.matches("MLP/Dense_0/dot_general", "dot_general")
+    assert not r.matches("MLP/Dense_0/dot_general", "conv_general_dilated")
+    assert not r.matches("MLP/Conv_0/conv_general_dilated", "dot_general")
+    assert Rule(primitives="dot_general").primitives == frozenset({"dot_general"})
+    with pytest.raises(TypeError, match="weights must be a Scheme, None or ..."):
+        Rule(weights="int8")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"weights": Scheme(granularity="token")}, "weights cannot use granularity='token'"),
+        (
+            {"activations": Scheme(granularity="channel")},
+            "activations cannot use granularity='channel'",
+        ),
+        (
+            {"activations": Scheme(granularity="group", group_size=4)},
+            "activations cannot use granularity='group'",
+        ),
+        ({"activations": Scheme(granularity="token")}, "need QConfig(dynamic=True)"),
+        ({"calibration": "kl"}, "calibration must be one of"),
+        ({"percentile": 0}, "percentile must be in (0, 100]"),
+        ({"percentile": 101}, "percentile must be in (0, 100]"),
+        ({"requantize": "shift"}, "requantize must be one of"),
+        ({"requantize": "fixed_point", "activations": None}, "needs static activation scales"),
+        ({"requantize": "fixed_point", "dynamic": True}, "needs static activation scales"),
+        (
+            {"rules": (Rule(activations=Scheme(granularity="channel")),)},
+            "rules[0]: activations cannot",
+        ),
+    ],
+)
+def test_qconfig_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        QConfig(**kwargs)
+
+
+def test_qconfig_types():
+    with pytest.raises(TypeError, match="rules must be a sequence of Rule"):
+        QConfig(rules=Rule())
+    with pytest.raises(TypeError, match="weights must be a Scheme"):
+        QConfig(weights=None)
+    assert QConfig(rules=[Rule()]).rules == (Rule(),)  # lists become tuples (hashable config)
+    hash(QConfig(rules=[Rule(primitives={"dot_general"})]))
+
+
+def test_short_summary():
+    assert Scheme().short() == "int8 sym tensor"
+    s = Scheme(bits=4, signed=False, symmetric=False, granularity="group", group_size=32)
+    assert s.short() == "uint4 asym group(32)"
