@@ -1,0 +1,179 @@
+"""Saving a Program to one file and loading it back without the Python code that made it.
+
+The file is a safetensors file (no pickle): the program's constants (weights, stored in their own
+dtypes, so int8 stays int8 and packed int4 stays packed) are its tensors, and its header metadata
+holds a manifest and the program itself as serialized StableHLO from ``jax.export``, with the
+constants as explicit parameters. A SHA-256 over everything guards against corrupted files, and a
+format version against files from another jaxq. Saving writes a temporary file and renames it over
+the target, so an existing file is never left half-written.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxq import _compat as C
+from jaxq._program import Program
+
+FORMAT = "jaxq.program"
+FORMAT_VERSION = 1
+
+
+class LoadError(Exception):
+    """A saved program could not be loaded (wrong format or version, or a corrupted file)."""
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.numpy as st
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "saving and loading jaxq programs needs safetensors and flatbuffers: "
+            "pip install 'jaxq[export]'"
+        ) from e
+    return st
+
+
+def _as_storable(x: Any) -> tuple[np.ndarray, str]:
+    """numpy array safetensors can store, plus the dtype to restore (e.g. bfloat16 as uint16)."""
+    arr = np.asarray(x)
+    name = arr.dtype.name
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
+        arr = arr.view(np.dtype(f"uint{8 * arr.dtype.itemsize}"))
+    return np.ascontiguousarray(arr), name
+
+
+def _digest(exported: bytes, tensors: dict[str, np.ndarray], manifest: dict[str, Any]) -> str:
+    h = hashlib.sha256(exported)
+    h.update(json.dumps(manifest, sort_keys=True).encode())
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].tobytes())
+    return h.hexdigest()
+
+
+def save(program: Program, path: str | os.PathLike[str]) -> Path:
+    """Write ``program`` to ``path`` (a single ``.jaxq`` safetensors file), atomically."""
+    from jaxq import __version__
+
+    st = _safetensors()
+    path = Path(path)
+    closed = program.jaxpr
+    consts = list(closed.consts)
+    for i, c in enumerate(consts):
+        if not hasattr(np.asarray(c), "dtype") or np.asarray(c).dtype == object:
+            raise TypeError(f"save: constant {i} is a {type(c).__name__}, which cannot be stored")
+
+    def with_consts(const_vals: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        flat = program.flatten_args(args, kwargs)
+        run = C.jaxpr_as_fun(C.ClosedJaxpr(closed.jaxpr, list(const_vals)))
+        return jax.tree.unflatten(program.out_tree, run(*flat))
+
+    const_specs = [jax.ShapeDtypeStruct(np.shape(c), np.asarray(c).dtype) for c in consts]
+    args, kwargs = jax.tree.unflatten(
+        program.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    )
+    exported = jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize()
+    tensors, dtypes = {}, []
+    for i, c in enumerate(consts):
+        tensors[f"const_{i:05d}"], dtype = _as_storable(c)
+        dtypes.append(dtype)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "jaxq_version": __version__,
+        "jax_version": jax.__version__,
+        "name": program.name,
+        "in_paths": list(program.in_paths),
+        "const_dtypes": dtypes,
+    }
+    metadata = {
+        "jaxq.manifest": json.dumps(manifest),
+        "jaxq.exported": base64.b64encode(exported).decode(),
+        "jaxq.sha256": _digest(exported, tensors, manifest),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        st.save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class LoadedProgram:
+    """A program loaded from disk: call it like the original function (jit-able, fixed shapes)."""
+
+    def __init__(self, exported: Any, consts: list[Any], manifest: dict[str, Any]) -> None:
+        self.exported, self.consts, self.manifest = exported, consts, manifest
+        self.name: str = manifest["name"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.exported.call(self.consts, args, kwargs)
+
+    def as_fun(self) -> Callable[..., Any]:
+        return self.__call__
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(int(np.asarray(c).nbytes) for c in self.consts)
+
+    def __repr__(self) -> str:
+        return (
+            f"<jaxq.LoadedProgram {self.name!r}: {len(self.consts)} constants, "
+            f"{self.param_bytes:,} bytes, saved by jaxq {self.manifest['jaxq_version']}>"
+        )
+
+
+def load(path: str | os.PathLike[str]) -> LoadedProgram:
+    """Load a program written by :func:`save`; needs neither the model code nor jaxq's passes."""
+    st = _safetensors()
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"jaxq.load: no file at {path}")
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            metadata = fh.metadata() or {}
+        tensors = st.load_file(str(path))
+    except Exception as e:
+        raise LoadError(
+            f"jaxq.load: {path} is not a readable safetensors file ({e}); it may be "
+            "truncated or corrupted"
+        ) from e
+    if "jaxq.manifest" not in metadata:
+        raise LoadError(f"jaxq.load: {path} is a safetensors file but not a saved jaxq program")
+    try:
+        manifest = json.loads(metadata["jaxq.manifest"])
+        exported_bytes = base64.b64decode(metadata["jaxq.exported"], validate=True)
+    except Exception as e:
+        raise LoadError(f"jaxq.load: the header of {path} is corrupted ({e})") from e
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise LoadError(
+            f"jaxq.load: {path} has format {manifest.get('format')!r} version "
+            f"{manifest.get('format_version')!r} (written by jaxq {manifest.get('jaxq_version')}); "
+            f"this jaxq reads {FORMAT!r} version {FORMAT_VERSION}. Re-save the model with this "
+            "jaxq version."
+        )
+    if _digest(exported_bytes, tensors, manifest) != metadata.get("jaxq.sha256"):
+        raise LoadError(f"jaxq.load: {path} is corrupted: its checksum does not match its contents")
+    consts = []
+    for i, dtype in enumerate(manifest["const_dtypes"]):
+        arr = tensors[f"const_{i:05d}"]
+        consts.append(arr.view(jax.numpy.dtype(dtype)) if arr.dtype.name != dtype else arr)
+    exported = jax.export.deserialize(bytearray(exported_bytes))
+    return LoadedProgram(exported, consts, manifest)

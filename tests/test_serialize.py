@@ -1,0 +1,125 @@
+"""Program.save / jaxq.load: one safetensors file, no pickle, exact round trip, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxq
+
+st = pytest.importorskip("safetensors.numpy")
+
+W8 = np.arange(-24, 24, dtype=np.int8).reshape(6, 8)
+SCALE = np.linspace(0.01, 0.02, 8, dtype=np.float32)
+BIAS = np.linspace(-1, 1, 8).astype(jnp.bfloat16)
+
+
+def model(inputs, *, shift):
+    x = inputs["x"]
+    acc = jax.lax.dot_general(
+        x.astype(jnp.int8), W8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+    )
+    return {"y": acc * SCALE + jnp.asarray(BIAS).astype(jnp.float32) + shift, "n": jnp.sum(x)}
+
+
+X = {"x": np.arange(12, dtype=np.float32).reshape(2, 6) - 5}
+PROG = jaxq.trace(model, X, shift=np.float32(0.5))
+
+
+def test_round_trip_is_exact_and_keeps_storage_dtypes(tmp_path):
+    path = PROG.save(tmp_path / "m.jaxq")
+    loaded = jaxq.load(path)
+    # compiled both sides: eager op-by-op evaluation rounds a fused multiply-add differently
+    want = jax.jit(PROG.as_fun())(X, shift=np.float32(0.5))
+    got = loaded(X, shift=np.float32(0.5))
+    np.testing.assert_array_equal(got["y"], want["y"])
+    np.testing.assert_array_equal(got["n"], want["n"])
+    got_jit = jax.jit(lambda x: loaded(x, shift=np.float32(0.5)))(X)
+    np.testing.assert_array_equal(got_jit["y"], want["y"])
+    dtypes = sorted(str(np.asarray(c).dtype) for c in loaded.consts)
+    assert "int8" in dtypes and "bfloat16" in dtypes
+    stored = st.load_file(str(path))
+    assert any(a.dtype == np.int8 for a in stored.values())  # int8 stays int8 on disk
+    assert loaded.param_bytes == sum(np.asarray(c).nbytes for c in PROG.jaxpr.consts)
+    assert "LoadedProgram" in repr(loaded)
+
+
+def test_loaded_model_runs_without_the_model_code(tmp_path):
+    path = PROG.save(tmp_path / "m.jaxq")
+    np.save(tmp_path / "x.npy", X["x"])
+    code = (
+        "import sys, numpy as np, jaxq\n"
+        f"m = jaxq.load({str(path)!r})\n"
+        f"out = m({{'x': np.load({str(tmp_path / 'x.npy')!r})}}, shift=np.float32(0.5))\n"
+        "np.save(sys.argv[1], np.asarray(out['y']))\n"
+    )
+    out_file = tmp_path / "y.npy"
+    subprocess.run(
+        [sys.executable, "-c", code, str(out_file)],
+        check=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    want = jax.jit(PROG.as_fun())(X, shift=np.float32(0.5))["y"]
+    np.testing.assert_array_equal(np.load(out_file), want)
+
+
+def test_overwrite_is_atomic_and_leaves_no_temporaries(tmp_path):
+    path = tmp_path / "m.jaxq"
+    PROG.save(path)
+    other = jaxq.trace(lambda x: x * 2, np.ones(3, np.float32))
+    other.save(path)
+    assert os.listdir(tmp_path) == ["m.jaxq"]
+    np.testing.assert_array_equal(jaxq.load(path)(np.ones(3, np.float32)), np.full(3, 2.0))
+
+
+def _rewrite(path, tensors=None, **meta_updates):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as fh:
+        meta = dict(fh.metadata())
+    tensors = st.load_file(str(path)) if tensors is None else tensors
+    meta.update(meta_updates)
+    st.save_file(tensors, str(path), metadata=meta)
+
+
+def test_corrupted_weights_are_detected(tmp_path):
+    path = PROG.save(tmp_path / "m.jaxq")
+    tensors = st.load_file(str(path))
+    key = next(k for k, v in tensors.items() if v.dtype == np.int8)
+    tensors[key] = tensors[key].copy()
+    tensors[key].flat[0] += 1  # one flipped weight would silently change results
+    _rewrite(path, tensors)
+    with pytest.raises(jaxq.LoadError, match="corrupted: its checksum does not match"):
+        jaxq.load(path)
+
+
+def test_truncated_file_and_foreign_files_are_clear_errors(tmp_path):
+    path = PROG.save(tmp_path / "m.jaxq")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(jaxq.LoadError, match="truncated or corrupted"):
+        jaxq.load(path)
+    plain = tmp_path / "plain.safetensors"
+    st.save_file({"w": np.ones(3, np.float32)}, str(plain))
+    with pytest.raises(jaxq.LoadError, match="not a saved jaxq program"):
+        jaxq.load(plain)
+    with pytest.raises(FileNotFoundError):
+        jaxq.load(tmp_path / "missing.jaxq")
+
+
+def test_other_format_version_is_refused(tmp_path):
+    path = PROG.save(tmp_path / "m.jaxq")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as fh:
+        manifest = json.loads(fh.metadata()["jaxq.manifest"])
+    manifest.update(format_version=99, jaxq_version="9.9.9")
+    _rewrite(path, **{"jaxq.manifest": json.dumps(manifest)})
+    with pytest.raises(jaxq.LoadError, match=r"version 99 \(written by jaxq 9.9.9\).*Re-save"):
+        jaxq.load(path)
