@@ -83,7 +83,7 @@ def save(program: Program, path: str | os.PathLike[str]) -> Path:
     args, kwargs = jax.tree.unflatten(
         program.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     )
-    exported = jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize()
+    exported = bytes(jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize())
     tensors, dtypes = {}, []
     for i, c in enumerate(consts):
         tensors[f"const_{i:05d}"], dtype = _as_storable(c)
