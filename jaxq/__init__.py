@@ -8,5 +8,7 @@ from jaxq._program import trace as trace
 from jaxq._serialize import LoadedProgram as LoadedProgram
 from jaxq._serialize import LoadError as LoadError
 from jaxq._serialize import load as load
+from jaxq._sharding import constant_shardings as constant_shardings
+from jaxq._sharding import split_constants as split_constants
 
 __version__ = "0.1.0"
