@@ -115,16 +115,27 @@ def close(jaxpr: Jaxpr) -> ClosedJaxpr:
 
 
 def subjaxpr_params(params: dict[str, Any]) -> list[tuple[str, int | None, Any]]:
-    """``(key, index, jaxpr)`` for every nested jaxpr in ``params`` (index set for tuples of jaxprs)."""
+    """``(key, index, jaxpr)`` for every nested jaxpr in ``params`` (index set for tuples of jaxprs,
+    including namedtuples such as custom_linear_solve's, whose empty slots are None)."""
     found: list[tuple[str, int | None, Any]] = []
     for key, val in params.items():
         if isinstance(val, (Jaxpr, ClosedJaxpr)):
             found.append((key, None, val))
-        elif (
-            isinstance(val, tuple) and val and all(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val)
-        ):
-            found.extend((key, i, v) for i, v in enumerate(val))
+        elif isinstance(val, tuple) and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val):
+            if all(v is None or isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val):
+                found.extend((key, i, v) for i, v in enumerate(val) if v is not None)
     return found
+
+
+def replace_param(params: dict[str, Any], key: str, index: int | None, new: Any) -> None:
+    """Put ``new`` at ``params[key]`` (or its ``index``-th slot, keeping the tuple's type)."""
+    if index is None:
+        params[key] = new
+        return
+    old = params[key]
+    seq = list(old)
+    seq[index] = new
+    params[key] = type(old)(*seq) if hasattr(old, "_fields") else tuple(seq)
 
 
 def as_closed(j: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:

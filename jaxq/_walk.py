@@ -143,12 +143,7 @@ class _Walker:
                 if new.consts:
                     remat_body = new
                 new = new.jaxpr
-            if idx is None:
-                new_params[key] = new
-            else:
-                seq = list(new_params[key])
-                seq[idx] = new
-                new_params[key] = tuple(seq)
+            C.replace_param(new_params, key, idx, new)
         if remat_body is not None:
             if eqn.primitive.name != "remat2" and eqn.primitive.name != "checkpoint":
                 raise RewriteError(
@@ -204,12 +199,7 @@ def map_equations(
                         if isinstance(sub, C.ClosedJaxpr)
                         else inner
                     )
-                    if idx is None:
-                        params[key] = new
-                    else:
-                        seq = list(params[key])
-                        seq[idx] = new
-                        params[key] = tuple(seq)
+                    C.replace_param(params, key, idx, new)
                 eqn = eqn.replace(params=params)
             out = fn(eqn, here, names[here])
             eqns.extend([eqn] if out is None else out)

@@ -109,3 +109,24 @@ def test_map_equations_rebuilds_structurally_without_retracing():
     assert seen == [((0, "jaxpr", 0), "jit/mul"), ((0, "jaxpr", 1), "jit/add"), ((0,), "jit")]
     check_jaxpr(out.jaxpr.jaxpr)
     np.testing.assert_array_equal(out(np.ones(3, np.float32)), np.full(3, 3, np.float32))
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: jnp.linalg.solve(x @ x.T + 3 * jnp.eye(3), x[:, 0]),  # custom_linear_solve
+        lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1,
+        lambda x: jax.grad(lambda u: jnp.sum(jax.nn.gelu(u) * jnp.sort(u, axis=0)))(x),
+        lambda x: jax.vmap(lambda r: jax.lax.fori_loop(0, 2, lambda i, c: c + r, r))(x),
+        lambda x: x + jax.random.normal(jax.random.key(0), x.shape),
+        lambda x: (jax.lax.linalg.qr(x)[0], jnp.cumsum(x, 0), jax.nn.softmax(x)),
+    ],
+    ids=["linear_solve", "pure_callback", "grad", "vmap_fori", "prng", "linalg"],
+)
+def test_walker_handles_library_constructs(f):
+    x = np.arange(9, dtype=np.float32).reshape(3, 3) / 10 + 1
+    prog = jaxq.trace(f, x)
+    pipeline = T.Sequential([T.identity(), T.name_expressions(), T.infer_layouts()])
+    with T.PassContext(instruments=[T.WellFormed(), T.NumericCheck(x, rtol=0, atol=0)]):
+        out = pipeline(prog)
+    assert [e.primitive for e in out.equations()] == [e.primitive for e in prog.equations()]
