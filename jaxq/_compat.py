@@ -121,9 +121,12 @@ def subjaxpr_params(params: dict[str, Any]) -> list[tuple[str, int | None, Any]]
     for key, val in params.items():
         if isinstance(val, (Jaxpr, ClosedJaxpr)):
             found.append((key, None, val))
-        elif isinstance(val, tuple) and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val):
-            if all(v is None or isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val):
-                found.extend((key, i, v) for i, v in enumerate(val) if v is not None)
+        elif (
+            isinstance(val, tuple)
+            and any(isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val)
+            and all(v is None or isinstance(v, (Jaxpr, ClosedJaxpr)) for v in val)
+        ):
+            found.extend((key, i, v) for i, v in enumerate(val) if v is not None)
     return found
 
 
