@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxq import _compat as C
 from jaxq import _names
-from jaxq.annotate import compiler_begin_p, compiler_end_p
+from jaxq.annotate import compiler_begin_p, compiler_end_p, is_annotation
 
 OUTSIDE, BEGIN, END, MEMBER = 0, 1, 2, 3
 
@@ -109,8 +109,13 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
     an = Analysis(jaxpr)
     eqns = jaxpr.eqns
     interior: dict[Any, int] = {}
-    users: dict[Any, list[int]] | None = None
     kind, region, constvars = an.kind, an.region, an.constvars
+    # Equations computing constants (no operands but literals, closed-over constants and other such
+    # equations' results) are decided last, from their users: see _settle_constants.
+    const_out: dict[Any, int] = {}
+    const_eqns: list[int] = []
+    pending_ends: list[int] = []
+    const_uses: list[tuple[int, Any]] = []  # (member, constant value it reads)
     for i, eqn in enumerate(eqns):
         for v in eqn.outvars:
             an.producer[v] = i
@@ -134,11 +139,11 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
             x = eqn.invars[0]
             r = None if C.is_literal(x) else interior.get(x)
             if r is None:
-                raise AnnotationError(
-                    f"unbalanced annotation: compiler_end for {c!r} at {an.describe(i)} has no "
-                    "matching compiler_begin (its operand is not computed inside a region).\n"
-                    f"Mark the region's inputs with compiler_begin(x, {c!r}), or remove the end."
-                )
+                if not C.is_literal(x) and x in const_out:
+                    kind[i] = END
+                    pending_ends.append(i)
+                    continue
+                _unbalanced_end(an, i, c)
             r = an.find(r)
             if an.compiler[r] != c:
                 raise AnnotationError(
@@ -149,12 +154,15 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
         else:
             rs: list[int] = []
             outside = None
+            consts = []
             for v in eqn.invars:
                 if C.is_literal(v):
                     continue
                 r = interior.get(v)
                 if r is not None:
                     rs.append(an.find(r))
+                elif v in const_out:
+                    consts.append(v)
                 elif v not in constvars and outside is None:
                     outside = v
             if rs:
@@ -166,27 +174,29 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
                         "and begin the other with compiler_begin."
                     )
                 if outside is not None:
-                    raise AnnotationError(
-                        f"unbalanced annotation: {an.describe(i)} is inside a region for "
-                        f"{an.compiler[rs[0]]!r} but also uses {outside} computed outside it without "
-                        f"compiler_begin; wrap that operand in compiler_begin(x, "
-                        f"{an.compiler[rs[0]]!r})."
-                    )
+                    _missing_begin(an, i, an.compiler[rs[0]], outside)
                 r = rs[0]
                 for other in rs[1:]:
                     r = an.union(r, other)
                 kind[i], region[i] = MEMBER, r
                 for v in eqn.outvars:
                     interior[v] = r
-            elif outside is None and eqn.outvars:
-                if users is None:
-                    users = _users(eqns)
-                c = _only_ends(eqn, eqns, users)
-                if c is not None:
-                    r = an.new_region(c)
-                    kind[i], region[i] = MEMBER, r
-                    for v in eqn.outvars:
-                        interior[v] = r
+                const_uses.extend((i, v) for v in consts)
+            elif outside is None and eqn.outvars and not is_annotation(prim):
+                const_eqns.append(i)
+                for v in eqn.outvars:
+                    const_out[v] = i
+    if const_eqns:
+        _settle_constants(an, const_eqns, interior)
+    for i in pending_ends:
+        x = eqns[i].invars[0]
+        r = interior.get(x)
+        if r is None:
+            _unbalanced_end(an, i, eqns[i].params["compiler"])
+        region[i] = an.find(r)
+    for i, v in const_uses:
+        if v not in interior:
+            _missing_begin(an, i, an.compiler[an.find(region[i])], v)
     # Values computed inside a region may leave it only through compiler_end.
     for i, eqn in enumerate(eqns):
         if kind[i] == OUTSIDE:
@@ -199,6 +209,69 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
     return an
 
 
+def _settle_constants(an: Analysis, const_eqns: list[int], interior: dict[Any, int]) -> None:
+    """A constant-computing equation joins a region when every use of its results is inside that
+    one region (or a compiler_end of its compiler); otherwise it stays outside. Visited from the
+    last, so chains of them (iota -> convert -> broadcast) settle together."""
+    eqns = an.jaxpr.eqns
+    wanted = set()
+    for i in const_eqns:
+        wanted.update(eqns[i].outvars)
+    users: dict[Any, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if not C.is_literal(v) and v in wanted:
+                users.setdefault(v, []).append(i)
+    for i in reversed(const_eqns):
+        comp = None
+        root = None
+        ok = True
+        for v in eqns[i].outvars:
+            for u in users.get(v, ()):
+                k = an.kind[u]
+                if k == END:
+                    c = eqns[u].params["compiler"]
+                elif k == MEMBER:
+                    r = an.find(an.region[u])
+                    c = an.compiler[r]
+                    if root is not None and root != r:
+                        ok = False
+                    root = r
+                else:
+                    ok = False
+                    break
+                if comp is not None and c != comp:
+                    ok = False
+                comp = c
+            if not ok:
+                break
+        if not ok or comp is None:
+            continue
+        if root is None:
+            root = an.new_region(comp)
+        an.kind[i], an.region[i] = MEMBER, root
+        for v in eqns[i].outvars:
+            interior[v] = root
+
+
+def _unbalanced_end(an: Analysis, i: int, c: str) -> None:
+    raise AnnotationError(
+        f"unbalanced annotation: compiler_end for {c!r} at {an.describe(i)} has no "
+        "matching compiler_begin (its operand is not computed inside a region).\n"
+        f"Mark the region's inputs with compiler_begin(x, {c!r}), or remove the end."
+    )
+
+
+def _missing_begin(an: Analysis, i: int, c: str, v: Any) -> None:
+    src = an.producer.get(v)
+    what = f"the result of {an.describe(src)}" if src is not None else "an input of the program"
+    raise AnnotationError(
+        f"unbalanced annotation: {an.describe(i)} is inside a region for {c!r} but also uses "
+        f"{what}, computed outside it, without compiler_begin; wrap that operand in "
+        f"compiler_begin(x, {c!r})."
+    )
+
+
 def _escape(an: Analysis, v: Any, interior: dict[Any, int], where: str) -> None:
     r = an.find(interior[v])
     c = an.compiler[r]
@@ -208,36 +281,6 @@ def _escape(an: Analysis, v: Any, interior: dict[Any, int], where: str) -> None:
         f"unbalanced annotation: {what} is computed inside a region for {c!r} but used by "
         f"{where} without compiler_end; wrap it in compiler_end(x, {c!r})."
     )
-
-
-def _users(eqns: list[C.JaxprEqn]) -> dict[Any, list[int]]:
-    users: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not C.is_literal(v):
-                users.setdefault(v, []).append(i)
-    return users
-
-
-def _only_ends(eqn: C.JaxprEqn, eqns: list[C.JaxprEqn], users: dict[Any, list[int]]) -> str | None:
-    """The compiler whose compiler_end is the only user of every result of ``eqn``, if one is."""
-    comp = None
-    for v in eqn.outvars:
-        if C.is_dropvar(v):
-            continue
-        us = users.get(v)
-        if not us:
-            return None
-        for u in us:
-            e = eqns[u]
-            if e.primitive is not compiler_end_p:
-                return None
-            c = e.params["compiler"]
-            if comp is None:
-                comp = c
-            elif comp != c:
-                return None
-    return comp
 
 
 class NodeGraph:
