@@ -8,6 +8,7 @@ into Jaxpr and changes scan's params) is a change to this module alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,13 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit(
 
 def name_stack_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
     """The equation's name stack as plain strings (transforms like ``jvp(...)`` wrap their scopes)."""
-    text = str(eqn.source_info.name_stack)
+    return _scopes(eqn.source_info.name_stack)
+
+
+@functools.lru_cache(maxsize=8192)
+def _scopes(stack: NameStack) -> tuple[str, ...]:
+    # equations of one scope share a name stack: formatting it once per stack keeps naming linear
+    text = str(stack)
     return tuple(text.split("/")) if text else ()
 
 

@@ -202,15 +202,24 @@ class _Solver:
         rank = len(_shape(out))
         if rank == 0:
             return
-        same = [v for v in eqn.invars if not C.is_literal(v) and len(_shape(v)) == rank]
-        if not same or any(
-            len(_shape(v)) not in (0, rank) for v in eqn.invars if not C.is_literal(v)
-        ):
+        same = []
+        for v in eqn.invars:
+            if isinstance(v, C.Literal):
+                continue
+            r = len(_shape(v))
+            if r == rank:
+                same.append(v)
+            elif r != 0:
+                return
+        if not same:
             return
+        known = self.lay.get(out)
         for v in same:
-            self.link(out, v)
-        for v in same:
-            self.link(out, v)
+            known = known or self.lay.get(v)
+        if known is not None:
+            self.set(out, known)
+            for v in same:
+                self.set(v, known)
 
     def _nested(self, eqn: C.JaxprEqn) -> None:
         prim = eqn.primitive.name
