@@ -10,5 +10,6 @@ from jaxq._serialize import LoadError as LoadError
 from jaxq._serialize import load as load
 from jaxq._sharding import constant_shardings as constant_shardings
 from jaxq._sharding import split_constants as split_constants
+from jaxq._taps import intermediates as intermediates
 
 __version__ = "0.1.0"

@@ -140,3 +140,16 @@ def test_random_programs_trace_and_evaluate_like_the_function(rp):
         jax.tree.leaves(got_all), jax.tree.leaves(jax.jit(rp.fun)(*rp.args)), strict=True
     ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_intermediates_returns_named_values_compiled():
+    prog = jaxq.trace(mlp, PARAMS, X)
+    got = jaxq.intermediates(prog, ["MLP/Dense_0/dot_general", "MLP/Dense_1/tanh"], PARAMS, X)
+    h = X @ PARAMS[0][0]
+    np.testing.assert_allclose(got["MLP/Dense_0/dot_general"], h, rtol=1e-6)
+    np.testing.assert_allclose(got["MLP/Dense_1/tanh"], mlp(PARAMS, X)["out"], rtol=1e-6)
+    with pytest.raises(KeyError, match="no equation named"):
+        jaxq.intermediates(prog, ["MLP/nope"], PARAMS, X)
+    nested = jaxq.trace(lambda x: jax.jit(jnp.sin)(x), X)
+    with pytest.raises(ValueError, match="inside nested jaxprs"):
+        jaxq.intermediates(nested, ["jit/sin"], X)
