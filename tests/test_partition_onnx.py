@@ -1,0 +1,93 @@
+"""The optional ONNX Runtime backend: regions are exported to ONNX and really run in ONNX Runtime."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxq
+from jaxq import partition as P
+from jaxq.transform import Sequential
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+X = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+W = (np.random.default_rng(1).standard_normal((4, 3)) * 0.5).astype(np.float32)
+B = np.linspace(-1, 1, 3).astype(np.float32)
+
+OPS = ("dot_general", "add", "mul", "tanh", "broadcast_in_dim", "max", "exp", "reduce_sum",
+       "custom_jvp_call", "div", "transpose", "sub", "integer_pow")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    for p in OPS:
+        P.register_op_support("A", p)
+    yield
+    P.unregister_compiler("A")
+    P.unregister_backend("spy")
+
+
+def model(x):
+    h = jax.nn.relu(x @ W + B)  # relu is a custom_jvp call: inlined by the exporter
+    y = jnp.tanh(h) * 2.0 - h**2
+    s = jnp.exp(y - y.max(axis=1, keepdims=True))  # reduce_max is not supported: a second region
+    return (s / s.sum(axis=1, keepdims=True)).T, jnp.cos(y)
+
+
+def partitioned():
+    prog = jaxq.trace(model, X)
+    return Sequential([P.annotate_target(["A"]), P.merge_compiler_regions(), P.partition_graph()])(
+        prog
+    )
+
+
+def test_regions_run_in_onnxruntime():
+    from jaxq.partition._onnx import onnx_codegen
+
+    made = []
+
+    def spy(region):
+        run = onnx_codegen(region)
+        made.append(run)
+        return run
+
+    P.register_backend("spy", spy)
+    prog = partitioned()
+    regs = P.regions(prog)
+    assert len(regs) == 2
+    fn = P.build(prog, backends={"A": "spy"})
+    got = fn(X)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(model(X)), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # each region was exported and ran once in its own ONNX Runtime session
+    assert [r.calls[0] for r in made] == [1, 1]
+    assert all(r.session.get_providers() == ["CPUExecutionProvider"] for r in made)
+    ops = {n.op_type for r in made for n in r.model.graph.node}
+    assert {"Einsum", "Tanh", "Max", "Expand", "ReduceSum", "Transpose"} <= ops
+    assert "pure_callback" in str(jax.make_jaxpr(fn)(X))  # jittable through a host callback
+    fn(X)
+    assert [r.calls[0] for r in made] == [2, 2]
+
+
+def test_registered_onnxruntime_backend_and_export():
+    prog = partitioned()
+    fn = P.build(prog, backends={"A": "onnxruntime"})
+    for g, w in zip(jax.tree.leaves(fn(X)), jax.tree.leaves(model(X)), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    onnx_model = P.export_onnx(P.regions(prog)[0].program())
+    assert onnx_model.graph.name == P.regions(prog)[0].name
+    assert [i.name for i in onnx_model.graph.input] == ["in0"]
+
+
+def test_unexportable_region_is_named_and_can_fall_back():
+    P.register_op_support("A", "cumsum")
+    prog = Sequential([P.annotate_target(["A"]), P.partition_graph()])(
+        jaxq.trace(lambda x: jnp.cumsum(x, axis=0) + 1.0, X)
+    )
+    with pytest.raises(P.BackendError, match=r"region 'A_lambda_0'.*cumsum"):
+        P.build(prog, backends={"A": "onnxruntime"})
+    with pytest.warns(P.BackendFallbackWarning, match="A_lambda_0"):
+        fn = P.build(prog, backends={"A": "onnxruntime"}, fallback="xla")
+    np.testing.assert_allclose(fn(X), jnp.cumsum(X, axis=0) + 1.0, rtol=1e-6)
