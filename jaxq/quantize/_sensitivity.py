@@ -1,0 +1,167 @@
+"""Per-layer error and sensitivity: find the few layers to keep in float to meet an accuracy target.
+
+``layer_sqnr`` measures, on a sample batch, the signal-to-quantization-noise ratio of every quantized
+layer's output (fake-quantized program against float, both compiled); errors of earlier layers
+accumulate into it, which is what a user sees at that layer. ``sensitivity`` needs each layer's own
+harm instead: it quantizes one layer at a time and measures the SQNR of the model's output, ranks
+layers worst first, then keeps the worst ones in float, one more at a time, re-quantizing until the
+user's metric reaches the target (or ``max_float`` layers are kept), and says which it kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxq._program import trace
+from jaxq._taps import intermediates
+from jaxq.quantize._api import QuantizedFunction, quantize
+from jaxq.quantize._config import QConfig, Rule
+from jaxq.transform import name_expressions
+
+
+def sqnr_db(reference: Any, approx: Any) -> float:
+    """``10 log10(sum(ref^2) / sum((ref - approx)^2))``; infinite when they are equal."""
+    ref = np.asarray(reference, np.float64)
+    noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
+    signal = float(np.sum(ref**2))
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(max(signal, 1e-300) / noise)
+
+
+def layer_sqnr(
+    f: Callable[..., Any], simulated: QuantizedFunction, *sample: Any
+) -> dict[str, float]:
+    """SQNR (dB) of each quantized layer's output on ``sample``; layers inside nested jaxprs
+    (loops, branches) have no single value and are left out."""
+    if simulated.mode != "simulate":
+        raise ValueError("layer_sqnr: needs a QuantizedFunction made with mode='simulate'")
+    names = [r.name for r in simulated.report().layers if r.status == "quantized"]
+    float_prog = name_expressions()(trace(f, *sample))
+    sim_prog = simulated.specialize(*sample)
+    top = {e.name for e in sim_prog.equations() if len(e.path) == 1}
+    top &= {e.name for e in float_prog.equations() if len(e.path) == 1}
+    names = [n for n in names if n in top]
+    ref = intermediates(float_prog, names, *sample)
+    got = intermediates(sim_prog, names, *sample)
+    return {n: sqnr_db(ref[n], got[n]) for n in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityResult:
+    """The chosen function, the layers kept in float (worst first) and every step taken."""
+
+    function: QuantizedFunction
+    kept_float: tuple[str, ...]
+    metric: float
+    target: float
+    met: bool
+    sqnr_db: dict[str, float]
+    history: tuple[tuple[int, float], ...]  # (layers kept in float, metric)
+    isolated_sqnr_db: dict[str, float]  # model-output SQNR with only that layer quantized
+
+    def __str__(self) -> str:
+        lines = [
+            f"sensitivity: target {self.target:g}, reached {self.metric:g} "
+            f"({'met' if self.met else 'NOT met'}) keeping {len(self.kept_float)} layer(s) "
+            "in float"
+        ]
+        lines += [
+            f"  kept in float: {n}  (output SQNR with only it quantized: "
+            f"{self.isolated_sqnr_db.get(n, math.nan):.1f} dB)"
+            for n in self.kept_float
+        ]
+        lines += [f"  {k} in float -> metric {m:g}" for k, m in self.history]
+        return "\n".join(lines)
+
+
+def sensitivity(
+    f: Callable[..., Any],
+    *,
+    calibration: Iterable[Any],
+    metric: Callable[[QuantizedFunction], float],
+    target: float,
+    config: QConfig | None = None,
+    max_float: int | None = None,
+    mode: str = "realize",
+    sample: tuple[Any, ...] | None = None,
+) -> SensitivityResult:
+    """Quantize ``f``, keeping its most harmful layers in float until ``metric(qf) >= target``.
+
+    Args:
+      f, calibration, config, mode: as for ``jaxq.quantize``.
+      metric: scores a quantized function, higher is better (e.g. validation accuracy).
+      target: the score to reach.
+      max_float: at most this many layers stay float (default: all of them, if needed).
+      sample: arguments for measuring per-layer SQNR (default: the first calibration tuple).
+    """
+    config = QConfig() if config is None else config
+    batches = [b if isinstance(b, tuple) else (b,) for b in calibration]
+    if not batches:
+        raise ValueError("sensitivity: calibration is empty; pass at least one argument tuple")
+    sample = batches[0] if sample is None else sample
+    simulated = quantize(f, calibration=batches, config=config, mode="simulate", progress=False)
+    sqnr = layer_sqnr(f, simulated, *sample)
+    isolated = _isolated_sqnr(
+        f,
+        batches,
+        config,
+        sample,
+        [r.name for r in simulated.report().layers if r.status == "quantized"],
+    )
+    ranked = sorted(isolated, key=lambda n: isolated[n])
+    limit = len(ranked) if max_float is None else min(max_float, len(ranked))
+    history: list[tuple[int, float]] = []
+    qf: QuantizedFunction | None = None
+    score = -math.inf
+    for k in range(limit + 1):
+        skip = tuple(Rule(pattern=f"^{re.escape(n)}$", skip=True) for n in ranked[:k])
+        cfg = dataclasses.replace(config, rules=skip + tuple(config.rules))
+        qf = quantize(f, calibration=batches, config=cfg, mode=mode, progress=False)
+        score = float(metric(qf))
+        history.append((k, score))
+        if score >= target:
+            break
+    assert qf is not None
+    kept = tuple(ranked[: history[-1][0]])
+    return SensitivityResult(
+        qf, kept, score, target, score >= target, sqnr, tuple(history), isolated
+    )
+
+
+def _only(config: QConfig, names: list[str], keep: str) -> QConfig:
+    others = [re.escape(n) for n in names if n != keep]
+    rules = (Rule(pattern=f"^({'|'.join(others)})$", skip=True),) if others else ()
+    return dataclasses.replace(config, rules=rules + tuple(config.rules))
+
+
+def _isolated_sqnr(
+    f: Callable[..., Any],
+    batches: list[tuple[Any, ...]],
+    config: QConfig,
+    sample: tuple[Any, ...],
+    names: list[str],
+) -> dict[str, float]:
+    """Model-output SQNR with only one layer quantized, for each layer (lower: more harmful)."""
+    ref = jax.tree.leaves(jax.jit(f)(*sample))
+    out = {}
+    for name in names:
+        qf = quantize(
+            f,
+            calibration=batches,
+            config=_only(config, names, name),
+            mode="simulate",
+            progress=False,
+        )
+        got = jax.tree.leaves(jax.jit(qf)(*sample))
+        out[name] = sqnr_db(
+            np.concatenate([np.ravel(r) for r in ref]), np.concatenate([np.ravel(g) for g in got])
+        )
+    return out

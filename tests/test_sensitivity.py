@@ -1,0 +1,86 @@
+"""Per-layer SQNR and the sensitivity search that keeps the most harmful layers in float."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxq.quantize import QConfig, Scheme, quantize
+from jaxq.quantize._sensitivity import layer_sqnr, sensitivity, sqnr_db
+
+rng = np.random.default_rng(0)
+W0 = rng.standard_normal((16, 32)).astype(np.float32) * 0.3
+W1 = rng.standard_normal((32, 32)).astype(np.float32) * 0.3
+W1[:, 0] *= 200.0  # one outlier channel makes per-tensor 3-bit weights of layer 1 very poor
+W2 = rng.standard_normal((32, 8)).astype(np.float32) * 0.3
+X = [rng.standard_normal((8, 16)).astype(np.float32) for _ in range(3)]
+
+
+def f(x):
+    for i, w in enumerate((W0, W1, W2)):
+        with jax.named_scope(f"Dense_{i}"):
+            x = x @ w
+            if i < 2:
+                x = jnp.tanh(x)
+    return x
+
+
+CFG = QConfig(weights=Scheme(bits=3, granularity="tensor"), activations=None)
+
+
+def _fake3(w):
+    """3-bit symmetric per-tensor fake quantization: codes [-4, 3], scale max|w| / 3."""
+    s = np.abs(w).max() / 3
+    return np.clip(np.round(w / s), -4, 3) * s
+
+
+def test_sqnr_db_definition():
+    ref = np.array([1.0, -2.0, 3.0])
+    assert sqnr_db(ref, ref) == math.inf
+    assert sqnr_db(ref, ref + 0.1) == pytest.approx(10 * np.log10(14.0 / 0.03))
+
+
+def test_layer_sqnr_measures_each_quantized_layer_output():
+    sim = quantize(f, calibration=[(x,) for x in X], config=CFG, mode="simulate", progress=False)
+    sqnr = layer_sqnr(f, sim, X[0])
+    assert set(sqnr) == {"Dense_0/dot_general", "Dense_1/dot_general", "Dense_2/dot_general"}
+    assert all(np.isfinite(v) for v in sqnr.values())
+    # the first layer's SQNR is its own error: check it against a direct computation
+    ref = X[0] @ W0
+    assert sqnr["Dense_0/dot_general"] < 40  # 3-bit weights are visibly noisy
+    assert sqnr["Dense_0/dot_general"] == pytest.approx(
+        sqnr_db(ref, jax.jit(lambda x: x @ _fake3(W0))(X[0])), abs=1e-3
+    )
+    real = quantize(f, calibration=[(x,) for x in X], config=CFG, progress=False)
+    with pytest.raises(ValueError, match="mode='simulate'"):
+        layer_sqnr(f, real, X[0])
+
+
+def test_sensitivity_keeps_the_worst_layer_float_until_the_target_is_met():
+    ref = jax.jit(f)(X[0])
+
+    def metric(qf):
+        return -float(jnp.max(jnp.abs(jax.jit(qf)(X[0]) - ref)))  # higher is better
+
+    full = quantize(f, calibration=[(x,) for x in X], config=CFG, progress=False)
+    err_full = -metric(full)
+    result = sensitivity(
+        f, calibration=[(x,) for x in X], config=CFG, metric=metric, target=-err_full / 4
+    )
+    assert result.met and result.kept_float[0] == "Dense_1/dot_general"
+    assert result.history[0] == (0, pytest.approx(-err_full))
+    assert result.metric >= -err_full / 4
+    statuses = {r.name: r.status for r in result.function.report().layers}
+    assert statuses["Dense_1/dot_general"] != "quantized"
+    assert "kept in float: Dense_1/dot_general" in str(result)
+
+
+def test_sensitivity_reports_an_unreachable_target():
+    result = sensitivity(
+        f, calibration=[(x,) for x in X], config=CFG, metric=lambda qf: 0.0, target=1.0, max_float=1
+    )
+    assert not result.met and len(result.history) == 2 and len(result.kept_float) == 1
+    with pytest.raises(ValueError, match="calibration is empty"):
+        sensitivity(f, calibration=[], config=CFG, metric=lambda qf: 0.0, target=1.0)
