@@ -14,7 +14,14 @@ from jaxq._program import Program, trace
 from jaxq.quantize._annotate import annotate_program, prepare, unmatched_rules
 from jaxq.quantize._calibrate import calibrate_program
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import QState, QuantizeError, get_state, lower, simulate_handler
+from jaxq.quantize._lower import (
+    QState,
+    QuantizeError,
+    get_state,
+    lower,
+    simulate_handler,
+    with_state,
+)
 from jaxq.quantize._realize import realize_handler, realize_program
 
 MODES = ("realize", "simulate")
@@ -193,7 +200,11 @@ class QuantizedFunction:
             source = prepare(trace(self._fun, *a, **k))
             state = self._state.replace(source=source)
             handler = realize_handler(state) if self.mode == "realize" else simulate_handler(state)
-            prog, _ = lower(state, handler)
+            prog, engine = lower(state, handler)
+            state = state.replace(
+                sites=engine.sites, skipped=engine.skipped, weights=engine.weights
+            )
+            prog = with_state(prog, state)
             self._cache[key] = prog
         return prog
 

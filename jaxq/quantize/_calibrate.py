@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxq._program import Program
-from jaxq._walk import _Walker
+from jaxq._walk import RewriteError, _Walker
 from jaxq.quantize._config import CALIBRATIONS, QConfig
 from jaxq.quantize._lower import (
     ActParams,
@@ -21,6 +21,7 @@ from jaxq.quantize._lower import (
     Site,
     get_state,
     lower,
+    raise_cause,
     range_to_qparams,
     simulate_handler,
     with_state,
@@ -136,7 +137,11 @@ def calibrate_program(
         if not observers:
             continue
         radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
-        stats = fn(radii if histogram and radii else {}, *flat) if histogram else fn({}, *flat)
+        try:
+            stats = fn(radii if histogram and radii else {}, *flat) if histogram else fn({}, *flat)
+        except RewriteError as e:
+            raise_cause(e)
+            raise
         stats = jax.device_get(stats)
         for k, s in stats.items():
             if int(s["nonfinite"]):

@@ -26,7 +26,7 @@ from jax import lax
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq._walk import Visit
+from jaxq._walk import RewriteError, Visit, rewrite
 from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
 
@@ -212,10 +212,9 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
             full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
             full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
             del k
-        q = codes(wf, full_scale, full_zp, s)
         off = storage_offset(s)
-        out = QWeight(
-            codes=np.asarray(q + off).astype(np.int8),
+        scales = QWeight(
+            codes=np.zeros(wf.shape, np.int8),
             scale=np.asarray(full_scale, np.float32),
             zero_point=np.asarray(full_zp + off).astype(np.int32),
             offset=off,
@@ -223,6 +222,13 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
             group_scale=None if group_scale is None else np.asarray(group_scale, np.float32),
             group_zero_point=None if group_zp is None else np.asarray(group_zp + off, np.int32),
         )
+        # The codes are read back from the simulated value itself: XLA:CPU's f32 divide is not
+        # correctly rounded, so recomputing round(w / s) elsewhere could differ by one code.
+        # Both the simulated program (whose constants are numpy arrays) and this call divide in
+        # numpy, because the weight is handed over as a numpy array.
+        fq = np.asarray(fake_quant_weight(np.asarray(wf), scales, site), np.float64)
+        q = np.rint(fq / scales.scale) + (scales.zero_point - off)
+    out = dataclasses.replace(scales, codes=(q + off).astype(np.int8))
     return out
 
 
@@ -237,35 +243,26 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
         narrow_range=s.narrow_range,
         ste="identity",
     )
-    w = jnp.asarray(w)
+    # A known weight stays a numpy array, so the simulated value is computed the same way (numpy
+    # arithmetic) when the program runs eagerly and when realize reads the codes back.
+    xp = np if is_concrete(w) else jnp
+    w = np.asarray(w) if is_concrete(w) else w
     zp = (qw.zero_point - qw.offset).astype(np.float32)
     if s.granularity == "tensor":
         return simulated_quantize_p.bind(
-            w, jnp.asarray(qw.scale), jnp.asarray(zp), axis=None, group_size=None, **params
+            w, qw.scale.reshape(()), zp.reshape(()), axis=None, group_size=None, **params
         )
     if s.granularity == "channel":
         c = site.channel_axis
         return simulated_quantize_p.bind(
-            w,
-            jnp.asarray(qw.scale.reshape(-1)),
-            jnp.asarray(zp.reshape(-1)),
-            axis=c,
-            group_size=None,
-            **params,
+            w, qw.scale.reshape(-1), zp.reshape(-1), axis=c, group_size=None, **params
         )
     # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
-    (k,) = site.contract_axes
-    wt = jnp.moveaxis(w, site.channel_axis, 0)
+    wt = xp.moveaxis(w, site.channel_axis, 0)
     gzp = (qw.group_zero_point - qw.offset).astype(np.float32)
     y = simulated_quantize_p.bind(
-        wt,
-        jnp.asarray(qw.group_scale),
-        jnp.asarray(gzp),
-        axis=1,
-        group_size=s.group_size,
-        **params,
+        wt, qw.group_scale, gzp, axis=1, group_size=s.group_size, **params
     )
-    del k
     return jnp.moveaxis(y, 0, site.channel_axis)
 
 
@@ -473,11 +470,22 @@ def lower(
     state: QState, handler: SiteHandler, source: Program | None = None
 ) -> tuple[Program, Engine]:
     """Rewrite the float program through the engine's rules (``rewrite`` re-traces it)."""
-    from jaxq._walk import rewrite
-
     engine = Engine(state, handler)
-    out = rewrite(state.source if source is None else source, engine.rules(), scope="quantize")
+    try:
+        out = rewrite(state.source if source is None else source, engine.rules(), scope="quantize")
+    except RewriteError as e:
+        raise_cause(e)
+        raise
     return out, engine
+
+
+def raise_cause(e: BaseException) -> None:
+    """Re-raise a QuantizeError that a walker rule raised (the walker wraps rule errors)."""
+    cause = e.__cause__
+    while cause is not None:
+        if isinstance(cause, QuantizeError):
+            raise cause.with_traceback(None) from None
+        cause = cause.__cause__
 
 
 def simulate_handler(state: QState) -> SiteHandler:

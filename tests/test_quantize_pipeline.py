@@ -1,0 +1,439 @@
+"""End to end: annotate / calibrate / realize, realized vs simulated, QAT, re-specialization."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jaxq
+import jaxq.quantize as Q
+from jaxq.annotate import simulated_quantize
+from jaxq.quantize import QConfig, QuantizeError, Rule, Scheme
+from jaxq.quantize._lower import get_state
+
+RNG = np.random.default_rng(0)
+W1 = (RNG.normal(size=(16, 24)) * 0.3).astype(np.float32)
+B1 = (RNG.normal(size=(24,)) * 0.1).astype(np.float32)
+W2 = (RNG.normal(size=(24, 8)) * 0.3).astype(np.float32)
+K1 = (RNG.normal(size=(3, 3, 2, 4)) * 0.3).astype(np.float32)
+WC = (RNG.normal(size=(4 * 4 * 4, 8)) * 0.2).astype(np.float32)
+X = RNG.normal(size=(6, 16)).astype(np.float32)
+XI = RNG.normal(size=(3, 4, 4, 2)).astype(np.float32)
+
+
+def mlp(x):
+    with jax.named_scope("MLP"):
+        with jax.named_scope("Dense_0"):
+            h = jax.nn.relu(x @ W1 + B1)
+        with jax.named_scope("Dense_1"):
+            return h @ W2
+
+
+def cnn(x):
+    with jax.named_scope("CNN"):
+        with jax.named_scope("Conv_0"):
+            h = lax.conv_general_dilated(
+                x, K1, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+        h = jax.nn.relu(h).reshape(x.shape[0], -1)
+        with jax.named_scope("Dense_0"):
+            return h @ WC
+
+
+def both(f, cal, config, **kw):
+    kw.setdefault("progress", False)
+    r = Q.quantize(f, calibration=cal, config=config, **kw)
+    s = Q.quantize(f, calibration=cal, config=config, mode="simulate", **kw)
+    return r, s
+
+
+# ---- exactness: realized integer arithmetic equals the simulated quantization ---------------------
+
+
+def reference_dense(x, state, name, weight):
+    """Integer reference for one dense layer from the *simulated* quantized operands."""
+    site = state.sites[name]
+    act = state.act[name]
+    qw = state.weights[name]
+    s = site.activations
+    xa = simulated_quantize(
+        x,
+        act.scale,
+        act.zero_point,
+        bits=s.bits,
+        signed=s.signed,
+        rounding=s.rounding,
+        narrow_range=s.narrow_range,
+    )
+    ca = np.rint(np.asarray(xa, np.float64) / np.float32(act.scale)).astype(np.int64)  # q - za
+    w_fq = (qw.codes.astype(np.float32) - qw.zero_point) * qw.scale  # simulated weight value
+    cw = np.rint(w_fq.astype(np.float64) / qw.scale).astype(np.int64)  # q - zw
+    acc = ca @ cw
+    scale = np.float32(act.scale) * qw.scale.reshape(1, -1).astype(np.float32)
+    return acc.astype(np.float32) * scale
+
+
+SCHEMES = st.builds(
+    lambda bits, signed, sym, rnd: Scheme(bits=bits, signed=signed, symmetric=sym, rounding=rnd),
+    st.sampled_from([8, 4]),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from(["nearest_even", "half_away_from_zero", "half_up", "floor"]),
+)
+
+
+@settings(max_examples=12)
+@given(
+    st.sampled_from([1, 3]),
+    SCHEMES,
+    st.sampled_from(["tensor", "channel"]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_realized_equals_integer_reference_exactly(m, act, gran, wsym, seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.normal(size=(12, 5)) * rng.uniform(0.05, 2)).astype(np.float32)
+    x = (rng.normal(size=(m, 12)) + rng.uniform(-1, 1)).astype(np.float32)
+
+    def layer(v):
+        with jax.named_scope("L"):
+            return v @ w
+
+    wscheme = Scheme(granularity=gran, symmetric=wsym, rounding=act.rounding)
+    qf = Q.quantize(
+        layer, calibration=[(x,)], config=QConfig(weights=wscheme, activations=act), progress=False
+    )
+    state = get_state(qf.program, "test")
+    got = np.asarray(qf(x))  # eager
+    want = reference_dense(x, state, "L/dot_general", w)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_jit_within_float_tolerance():
+    r, s = both(mlp, [(X,)], QConfig())
+    eager, jitted, sim = np.asarray(r(X)), np.asarray(jax.jit(r)(X)), np.asarray(s(X))
+    scale = np.abs(sim).max()
+    np.testing.assert_allclose(jitted, eager, atol=1e-5 * scale, rtol=0)
+    np.testing.assert_allclose(eager, sim, atol=1e-5 * scale, rtol=0)
+
+
+GRANS = {
+    "tensor": dict(w=Scheme(granularity="tensor"), a=Scheme()),
+    "channel": dict(w=Scheme(granularity="channel"), a=Scheme(symmetric=False)),
+    "group": dict(w=Scheme(granularity="group", group_size=8), a=Scheme()),
+    "token": dict(w=Scheme(granularity="channel"), a=Scheme(granularity="token", symmetric=False)),
+}
+
+
+@pytest.mark.parametrize(
+    "gran, rounding",
+    list(itertools.product(GRANS, ["nearest_even", "half_away_from_zero", "half_up", "floor"])),
+)
+def test_every_granularity_and_rounding_runs(gran, rounding):
+    g = GRANS[gran]
+    w = Scheme(**{**_fields(g["w"]), "rounding": rounding})
+    a = Scheme(**{**_fields(g["a"]), "rounding": rounding})
+    cfg = QConfig(weights=w, activations=a, dynamic=gran == "token")
+    r, s = both(mlp, [(X,)], cfg)
+    out_r, out_s, ref = np.asarray(r(X)), np.asarray(s(X)), np.asarray(mlp(X))
+    assert out_r.shape == ref.shape and np.all(np.isfinite(out_r))
+    np.testing.assert_allclose(out_r, out_s, atol=1e-4 * np.abs(ref).max())
+    assert np.abs(out_r - ref).max() < 0.25 * np.abs(ref).max()
+
+
+def _fields(s):
+    return {
+        f: getattr(s, f)
+        for f in (
+            "bits",
+            "signed",
+            "symmetric",
+            "granularity",
+            "group_size",
+            "narrow_range",
+            "rounding",
+        )
+    }
+
+
+@settings(max_examples=6)
+@given(SCHEMES, SCHEMES, st.sampled_from(["tensor", "channel"]))
+def test_conv_schemes_realized_vs_simulated(w, a, gran):
+    w = Scheme(**{**_fields(w), "granularity": gran})
+    r, s = both(cnn, [(XI,)], QConfig(weights=w, activations=a))
+    out_r, out_s = np.asarray(r(XI)), np.asarray(s(XI))
+    np.testing.assert_allclose(out_r, out_s, atol=1e-4 * max(np.abs(out_s).max(), 1e-3))
+
+
+def test_weight_only_is_exactly_simulated():
+    r, s = both(cnn, None, QConfig(activations=None), example_args=(XI,))
+    np.testing.assert_array_equal(np.asarray(r(XI)), np.asarray(s(XI)))
+    assert "int8" in str(r.program)
+
+
+# ---- simulate mode ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=10)
+@given(SCHEMES, st.integers(0, 2**16))
+def test_simulated_error_within_half_scale(scheme, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(8, 16)) * 3).astype(np.float32)
+
+    def ident(v):
+        with jax.named_scope("L"):
+            return v @ np.eye(16, dtype=np.float32)
+
+    qf = Q.quantize(
+        ident,
+        calibration=[(x,)],
+        config=QConfig(activations=scheme, weights=Scheme(granularity="channel")),
+        mode="simulate",
+        progress=False,
+    )
+    act = get_state(qf.program, "t").act["L/dot_general"]
+    qmin, qmax = scheme.qrange
+    lo, hi = (qmin - act.zero_point) * act.scale, (qmax - act.zero_point) * act.scale
+    err = np.abs(np.asarray(qf(x)) - x)
+    inside = (x >= lo) & (x <= hi)
+    bound = act.scale * (1.0 if scheme.rounding == "floor" else 0.5) * (1 + 1e-5) + 1e-6
+    assert np.all(err[inside] <= bound)
+
+
+def test_qat_gradient_equals_ste_reference():
+    qs = Q.quantize(mlp, calibration=[(X,)], mode="simulate", progress=False)
+    g = np.asarray(jax.grad(lambda x: qs(x).sum())(X))
+    state = get_state(qs.program, "t")
+    wq = {
+        n: (w.codes.astype(np.float32) - w.zero_point) * w.scale for n, w in state.weights.items()
+    }
+    w1, w2 = wq["MLP/Dense_0/dot_general"], wq["MLP/Dense_1/dot_general"]
+    # straight-through: quantizers pass gradients unchanged; relu gates them
+    h = np.asarray(qs.specialize(X)(X))  # forward runs fine
+    pre = _pre_activation(qs, X)
+    want = ((np.ones((X.shape[0], 8), np.float32) @ w2.T) * (pre > 0)) @ w1.T
+    assert np.all(np.isfinite(g)) and h.shape == (6, 8)
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+
+
+def _pre_activation(qs, x):
+    state = get_state(qs.program, "t")
+    a = state.act["MLP/Dense_0/dot_general"]
+    s = state.sites["MLP/Dense_0/dot_general"].activations
+    xq = simulated_quantize(x, a.scale, a.zero_point, bits=s.bits, signed=s.signed)
+    w = state.weights["MLP/Dense_0/dot_general"]
+    return np.asarray(xq) @ ((w.codes.astype(np.float32) - w.zero_point) * w.scale) + B1
+
+
+# ---- JAX transformations and new shapes ------------------------------------------------------------
+
+
+def test_jit_vmap_and_new_shapes_reuse_scales():
+    qf = Q.quantize(mlp, calibration=[(X,)], progress=False)
+    before = dict(get_state(qf.program, "t").act)
+    x1, x9 = X[:1], RNG.normal(size=(9, 16)).astype(np.float32)
+    for x in (x1, x9):
+        out = np.asarray(jax.jit(qf)(x))
+        assert out.shape == (x.shape[0], 8)
+    # batch rows are independent under per-tensor static scales: row 0 is the same at every size
+    np.testing.assert_allclose(np.asarray(qf(x1))[0], np.asarray(qf(X))[0], rtol=1e-6)
+    assert get_state(qf.specialize(x9), "t").act == before
+    v = jax.vmap(qf)(X[:, None])
+    np.testing.assert_allclose(np.asarray(v)[:, 0], np.asarray(qf(X)), rtol=1e-6, atol=1e-6)
+
+
+def test_partial_and_weight_argnums_agree():
+    params = {"w1": W1, "b1": B1, "w2": W2}
+
+    def apply(p, x):
+        with jax.named_scope("Dense_0"):
+            h = jax.nn.relu(x @ p["w1"] + p["b1"])
+        with jax.named_scope("Dense_1"):
+            return h @ p["w2"]
+
+    a = Q.quantize(functools.partial(apply, params), calibration=[(X,)], progress=False)
+    b = Q.quantize(apply, calibration=[(params, X)], weight_argnums=0, progress=False)
+    np.testing.assert_array_equal(np.asarray(a(X)), np.asarray(b(X)))
+    assert len(get_state(b.program, "t").sites) == 2
+
+
+def test_nested_jit_weights_are_found():
+    inner = jax.jit(lambda x: x @ W2)
+
+    def f(x):
+        return inner(jax.nn.relu(x @ W1))
+
+    qf = Q.quantize(f, calibration=[(X,)], progress=False)
+    assert len(get_state(qf.program, "t").sites) == 2
+    np.testing.assert_allclose(np.asarray(qf(X)), np.asarray(f(X)), atol=0.05 * np.abs(f(X)).max())
+
+
+# ---- realize structure -------------------------------------------------------------------------------
+
+
+def test_realized_program_structure_and_bytes():
+    r8 = Q.quantize(cnn, calibration=[(XI,)], progress=False)
+    r4 = Q.quantize(
+        cnn,
+        calibration=[(XI,)],
+        config=QConfig(weights=Scheme(bits=4, granularity="channel")),
+        progress=False,
+    )
+    text = str(r8.program)
+    assert "preferred_element_type=int32" in text and "int8[3,3,2,4]" in text
+    assert "simulated_quantize" not in text
+    consts = [c for c in r8.program.jaxpr.consts if np.asarray(c).dtype == np.int8]
+    assert {np.asarray(c).size for c in consts} == {K1.size, WC.size}
+    f32 = K1.nbytes + WC.nbytes
+    assert r8.report().param_bytes < 0.4 * f32  # int8 codes + per-channel vectors
+    assert r4.report().param_bytes < 0.7 * r8.report().param_bytes  # packed two per byte
+    sim = Q.quantize(cnn, calibration=[(XI,)], mode="simulate", progress=False)
+    assert "simulated_quantize" in str(sim.program)
+
+
+def test_int4_pack_roundtrip():
+    from jaxq.quantize._realize import pack_int4, unpack_int4
+
+    q = RNG.integers(-8, 8, size=(5, 7)).astype(np.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == np.int8 and packed.size == 18
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed), q.shape)), q)
+
+
+def test_fixed_point_matches_numpy_reference():
+    from jaxq.quantize import _fixed_point as F
+
+    def layer(v):
+        with jax.named_scope("L"):
+            return v @ W1
+
+    cfg = QConfig(requantize="fixed_point")
+    qf = Q.quantize(layer, calibration=[(X,)], config=cfg, progress=False)
+    st_ = get_state(qf.program, "t")
+    a, out = st_.act["L/dot_general"], st_.act["L/dot_general:out"]
+    qw = st_.weights["L/dot_general"]
+    s = cfg.activations
+    qa = np.clip(
+        np.round(X.astype(np.float32) / np.float32(a.scale)) + a.zero_point, *s.qrange
+    ).astype(np.int64)
+    acc = (qa - a.zero_point) @ qw.codes.astype(np.int64)
+    m, e = F.quantize_multipliers(
+        np.float64(np.float32(a.scale) * qw.scale.astype(np.float32)) / out.scale
+    )
+    codes = F.ref_requantize(acc, m, e, out.zero_point, *s.qrange)
+    want = (codes - out.zero_point).astype(np.float32) * np.float32(out.scale)
+    np.testing.assert_array_equal(np.asarray(qf(X)), want)
+    sim = Q.quantize(layer, calibration=[(X,)], config=cfg, mode="simulate", progress=False)
+    assert np.abs(np.asarray(sim(X)) - want).max() <= out.scale * 1.01
+
+
+# ---- the passes alone ------------------------------------------------------------------------------
+
+
+def test_passes_compose_and_report():
+    prog = jaxq.trace(mlp, X)
+    pipeline = jaxq.transform.Sequential(
+        [Q.annotate(QConfig()), Q.calibrate([(X,)], progress=False), Q.realize()]
+    )
+    out = pipeline(prog)
+    ref = Q.quantize(mlp, calibration=[(X,)], progress=False)
+    np.testing.assert_array_equal(np.asarray(out(X)), np.asarray(ref(X)))
+    rep = ref.report()
+    d = rep.to_dict()
+    assert [r["name"] for r in d["layers"]] == [
+        "MLP/Dense_0/dot_general",
+        "MLP/Dense_1/dot_general",
+    ]
+    assert d["layers"][0]["activations"] == "int8 asym tensor static" and d["mode"] == "realize"
+    assert "MLP/Dense_1/dot_general" in str(rep) and "int8 sym channel narrow" in str(rep)
+    annotated = Q.annotate(QConfig())(prog)
+    assert "kind=weight" in str(annotated) and "kind=activation" in str(annotated)
+
+
+def test_rules_first_match_wins_and_unmatched_are_reported():
+    rules = (
+        Rule(pattern="Dense_1", skip=True),
+        Rule(pattern="Dense", weights=Scheme(bits=4, granularity="channel")),
+        Rule(pattern="Nope"),
+    )
+    with pytest.warns(UserWarning, match="matched no equation"):
+        qf = Q.quantize(mlp, calibration=[(X,)], config=QConfig(rules=rules), progress=False)
+    rows = {r.name: r for r in qf.report().layers}
+    assert rows["MLP/Dense_1/dot_general"].status == "skipped by rule"
+    assert (
+        rows["MLP/Dense_0/dot_general"].weights.startswith("int4")
+        and rows["MLP/Dense_0/dot_general"].rule == 1
+    )
+    assert qf.report().unmatched_rules == (f"rules[2]: {rules[2]!r}",)
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+
+def test_bad_input():
+    with pytest.raises(QuantizeError, match="calibration data is empty"):
+        Q.quantize(mlp, calibration=[], progress=False)
+    with pytest.raises(QuantizeError, match="calibration batch 1"):
+        Q.quantize(mlp, calibration=[(X,), (X, X)], progress=False)
+    with pytest.raises(QuantizeError, match="need calibration data"):
+        Q.quantize(mlp, example_args=(X,))
+    with pytest.raises(QuantizeError, match="16-bit weights"):
+        Q.quantize(mlp, calibration=[(X,)], config=QConfig(weights=Scheme(bits=16)), progress=False)
+    with pytest.raises(QuantizeError, match="group_size=5 does not divide"):
+        Q.quantize(
+            mlp,
+            calibration=[(X,)],
+            config=QConfig(weights=Scheme(granularity="group", group_size=5)),
+            progress=False,
+        )
+    with pytest.raises(QuantizeError, match="granularity='group' needs a 2-D weight"):
+        Q.quantize(
+            cnn,
+            calibration=[(XI,)],
+            config=QConfig(weights=Scheme(granularity="group", group_size=2)),
+            progress=False,
+        )
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Q.quantize(mlp, calibration=[(X,)], mode="int8")
+    with pytest.raises(QuantizeError, match="no quantization state"):
+        Q.calibrate([(X,)])(jaxq.trace(mlp, X))
+    with pytest.raises(QuantizeError, match="no calibrated activation scale"):
+        Q.realize()(Q.annotate(QConfig())(jaxq.trace(mlp, X)))
+    with pytest.raises(QuantizeError, match="does not match the program"):
+        Q.calibrate([(X[:2],)], progress=False)(Q.annotate(QConfig())(jaxq.trace(mlp, X)))
+
+
+def test_nan_in_calibration_names_the_layer():
+    bad = X.copy()
+    bad[2, 3] = np.nan
+    with pytest.raises(
+        QuantizeError,
+        match=r"NaN or Inf in the input of layer 'MLP/Dense_0/dot_general' \(calibration batch 1\)",
+    ):
+        Q.quantize(mlp, calibration=[(X,), (bad,)], progress=False)
+
+
+def test_constant_input_gets_a_valid_scale():
+    z = np.zeros_like(X)
+    qf = Q.quantize(mlp, calibration=[(z,)], progress=False)
+    for a in get_state(qf.program, "t").act.values():
+        assert np.isfinite(a.scale) and a.scale > 0
+    np.testing.assert_allclose(np.asarray(qf(z)), np.asarray(mlp(z)), atol=0.05)
+
+
+def test_accumulator_overflow_is_an_error():
+    k = 140_000
+    w = np.ones((k, 1), np.float32)
+
+    def big(v):
+        return v @ w
+
+    x = np.ones((2, k), np.float32)
+    with pytest.raises(QuantizeError, match="int32 accumulator .* could overflow"):
+        Q.quantize(big, calibration=[(x,)], progress=False)
