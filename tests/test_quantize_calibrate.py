@@ -1,0 +1,98 @@
+"""Calibration: streaming observers with bounded memory, the four methods, the pass alone."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxq
+import jaxq.quantize as Q
+from jaxq.quantize import QConfig, Scheme
+from jaxq.quantize._lower import get_state
+from jaxq.quantize._observers import NBINS, Observer, batch_stats
+
+RNG = np.random.default_rng(1)
+W = (RNG.normal(size=(8, 4)) * 0.5).astype(np.float32)
+stats_fn = jax.jit(batch_stats)
+
+
+def layer(x):
+    with jax.named_scope("L"):
+        return x @ W
+
+
+def observe(batches, method_hist=True):
+    o = Observer("t", method_hist)
+    for b in batches:
+        s = jax.device_get(stats_fn(b, None))
+        r = o.radius_for(float(s["min"]), float(s["max"]))
+        o.set_radius(r)
+        o.update(jax.device_get(stats_fn(b, np.float32(o.radius))))
+    return o
+
+
+@settings(max_examples=10)
+@given(st.lists(st.floats(0.01, 50.0), min_size=1, max_size=5), st.integers(0, 1000))
+def test_histogram_is_bounded_and_conserves_counts(scales, seed):
+    rng = np.random.default_rng(seed)
+    batches = [(rng.normal(size=(64,)) * s).astype(np.float32) for s in scales]
+    o = observe(batches)
+    data = np.concatenate(batches)
+    assert o.hist.shape == (NBINS,) and o.hist.sum() == data.size
+    assert o.min == data.min() and o.max == data.max()
+    assert o.radius >= np.abs(data).max()
+    # every value still sits in a bin whose edges contain it (re-binning is exact pairwise merging)
+    edges = np.linspace(-o.radius, o.radius, NBINS + 1)
+    want = np.histogram(np.clip(data, -o.radius, o.radius), edges)[0]
+    assert np.abs(want - o.hist).sum() <= 2 * len(batches)  # floating point at bin edges only
+
+
+def test_percentile_ignores_outliers():
+    data = np.concatenate([RNG.uniform(-1, 1, 20000), [100.0]]).astype(np.float32)
+    o = observe([data])
+    lo, hi = o.value_range("percentile", Scheme(), 99.9)
+    assert 0.9 < hi < 1.2 and -1.2 < lo < -0.9
+    assert o.value_range("minmax", Scheme(), 99.9) == (float(data.min()), 100.0)
+    lo, hi = o.value_range("percentile", Scheme(symmetric=False), 99.9)
+    assert 0.9 < hi < 1.2
+
+
+@pytest.mark.parametrize("method, bits", [("entropy", 8), ("mse", 4)])
+def test_entropy_and_mse_clip_long_tails(method, bits):
+    # (at 8 bits two outliers cost MSE more clipped than kept: 4 bits makes clipping the optimum)
+    data = np.concatenate([RNG.normal(size=50000), [40.0, -35.0]]).astype(np.float32)
+    o = observe([data[:25000], data[25000:]])
+    lo, hi = o.value_range(method, Scheme(bits=bits), 99.99)
+    assert 2.0 < hi < 20.0 and -20.0 < lo < -2.0, (lo, hi)
+
+
+def test_methods_end_to_end_and_streaming_minmax():
+    xs = [RNG.normal(size=(16, 8)).astype(np.float32) * (i + 1) for i in range(3)]
+    prog = Q.annotate(QConfig())(jaxq.trace(layer, xs[0]))
+    scales = {}
+    for method in ("minmax", "percentile", "entropy", "mse"):
+        out = Q.calibrate([(x,) for x in xs], method, progress=False)(prog)
+        a = get_state(out, "t").act["L/dot_general"]
+        assert np.isfinite(a.scale) and a.scale > 0
+        scales[method] = a.scale
+        assert get_state(out, "t").calibration["method"] == method
+    allx = np.concatenate(xs)
+    assert scales["minmax"] == pytest.approx((allx.max() - allx.min()) / 255, rel=1e-6)
+    assert scales["percentile"] <= scales["minmax"] * (1 + 1e-6)
+
+
+def test_calibration_batches_of_other_shapes_and_progress(capsys):
+    cal = [(RNG.normal(size=(n, 8)).astype(np.float32),) for n in (5, 3, 5)]
+    qf = Q.quantize(layer, calibration=cal, progress=True)
+    assert get_state(qf.program, "t").calibration["batches"] == 3
+    assert "jaxq calibrate" in capsys.readouterr().err
+    assert qf(cal[1][0]).shape == (3, 4)
+
+
+def test_dynamic_needs_no_calibration():
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    qf = Q.quantize(layer, config=QConfig(dynamic=True), example_args=(x,), progress=False)
+    row = qf.report().layers[0]
+    assert row.activations.endswith("dynamic") and row.activation_scale is None
+    np.testing.assert_allclose(np.asarray(qf(x)), np.asarray(layer(x)), atol=0.05)
