@@ -268,6 +268,40 @@ def test_manual_annotations_make_one_region():
     assert summary(out) == [("A", ("sin", "mul", "add"), 2, 1)]
 
 
+def test_merge_across_control_flow_is_refused():
+    # TVM's if-else test (PR 15211): the cond is one unit the compiler does not support.
+    #
+    #   data -> add0 (O) -> sub0 (X) ----.
+    #             |  \                     v
+    #             |   `---------------> cond (X) -> erf (O) -> add (O) -> out
+    #             `---------------------------------------------^
+    #
+    # add0 reaches the final add through sub0 and cond, so they must stay apart.
+    support("A", "add", "erf", "logistic")
+
+    def f(data):
+        add0 = data + data
+        sub0 = add0 - data
+        eq = jnp.sum(add0) == jnp.sum(sub0)
+        ife = jax.lax.cond(eq, jax.nn.sigmoid, jax.nn.sigmoid, jnp.where(eq, add0, sub0))
+        return add0 + jax.scipy.special.erf(ife)
+
+    out = partition(f, ones(1, 32), "A")
+    assert summary(out) == [("A", ("add",), 1, 1), ("A", ("erf", "add"), 2, 1)]
+
+
+def test_default_target_never_reaches_codegen():
+    # TVM PR 5195: unsupported equations are not a region of some "default" compiler
+    support("A", "sin")
+
+    def f(x):
+        return jnp.cos(jnp.sin(x)) + 1.0
+
+    out = partition(f, ones(3), "A")
+    assert [r.compiler for r in P.regions(out)] == ["A"]
+    assert [e.primitive.name for e in out.jaxpr.jaxpr.eqns] == ["jit", "cos", "add"]
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 
 

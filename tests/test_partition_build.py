@@ -129,6 +129,23 @@ def test_xla_backend_on_a_chosen_device(mlp_program):
     np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
 
 
+def test_multi_output_region_runs_on_the_host():
+    # TVM #9036: a region with several results must not crash the executor
+    P.register_op_support("A", "sin")
+    P.register_op_support("A", "cos")
+
+    def f(x):
+        s = jnp.sin(x)
+        return jnp.cos(s), jnp.tanh(s)
+
+    prog = partitioned(f, (X,), "A")
+    assert [r.num_outputs for r in P.regions(prog)] == [2]
+    for jit in (True, False):
+        got = P.build(prog, backends={"A": "host"}, jit=jit)(X)
+        for g, w in zip(got, f(X), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 # -- device placement -------------------------------------------------------------------------------
 
 

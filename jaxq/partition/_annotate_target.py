@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxq import _compat as C
-from jaxq._program import Equation, Program
+from jaxq._program import Program
 from jaxq.annotate import compiler_begin_p, compiler_end_p
 from jaxq.partition._regions import OUTSIDE, analyze
 from jaxq.partition._support import check_compilers, is_supported
@@ -32,14 +32,16 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
         check_compilers(targets, "annotate_target")  # the registry may have changed since
         closed = program.jaxpr
         jaxpr = closed.jaxpr
-        an = analyze(jaxpr)
+        annotated = any(
+            e.primitive is compiler_begin_p or e.primitive is compiler_end_p for e in jaxpr.eqns
+        )
+        kinds = analyze(jaxpr).kind if annotated else None  # skip the analysis when unannotated
         out: list[C.JaxprEqn] = []
         changed = False
         for i, eqn in enumerate(jaxpr.eqns):
             target = None
-            if an.kind[i] == OUTSIDE:
-                rec = Equation(eqn.primitive.name, eqn, (i,), (), ())
-                target = next((c for c in targets if is_supported(c, eqn, rec)), None)
+            if kinds is None or kinds[i] == OUTSIDE:
+                target = next((c for c in targets if is_supported(c, eqn)), None)
             if target is None:
                 out.append(eqn)
                 continue
