@@ -302,6 +302,39 @@ def test_default_target_never_reaches_codegen():
     assert [e.primitive.name for e in out.jaxpr.jaxpr.eqns] == ["jit", "cos", "add"]
 
 
+def test_merge_is_idempotent_and_annotate_alone_gives_one_region_per_equation():
+    support("test", "add")
+
+    def f(a, b, c, d):
+        n0 = a + b
+        n1 = n0 - c
+        return (n0 + d) + n1
+
+    prog = P.annotate_target(["test"])(jaxq.trace(f, *ones(3, n=4)))
+    once = P.merge_compiler_regions()(prog)
+    assert str(P.merge_compiler_regions()(once).jaxpr) == str(once.jaxpr)
+    assert len(P.regions(P.partition_graph()(prog))) == 3
+    assert summary(P.partition_graph()(once)) == [
+        ("test", ("add", "add"), 3, 2),
+        ("test", ("add",), 2, 1),
+    ]
+
+
+def test_control_flow_needs_registration_and_full_support():
+    def f(x):
+        body = lambda c: (c[0] + 1, jnp.sin(c[1]) * 2.0)  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+    support("A", "sin", "mul")
+    prog = jaxq.trace(f, *ones(3))
+    assert P.regions(pipeline("A")(prog)) == []  # while is not registered
+    support("A", "while", "add", "lt")
+    assert [r.primitives for r in P.regions(pipeline("A")(prog))] == [("while",)]
+    P.unregister_compiler("A")
+    support("A", "while", "add", "lt", "sin")  # mul missing inside the body
+    assert P.regions(pipeline("A")(prog)) == []
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 
 
