@@ -10,6 +10,7 @@ from jaxq._program import Program
 from jaxq.annotate import compiler_begin_p, compiler_end_p
 from jaxq.partition._regions import OUTSIDE, analyze
 from jaxq.partition._support import check_compilers, is_supported
+from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 _NO_EFFECTS: frozenset[Any] = frozenset()
@@ -27,8 +28,7 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
     """
     targets = check_compilers(compilers, "annotate_target")
 
-    @program_pass(name="annotate_target")
-    def run(program: Program) -> Program:
+    def _run(program: Program) -> Program:
         check_compilers(targets, "annotate_target")  # the registry may have changed since
         closed = program.jaxpr
         jaxpr = closed.jaxpr
@@ -92,5 +92,10 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
         if not changed:
             return program
         return program.with_jaxpr(C.ClosedJaxpr(jaxpr.replace(eqns=out), closed.consts))
+
+    @program_pass(name="annotate_target")
+    def run(program: Program) -> Program:
+        with paused_gc():
+            return _run(program)
 
     return run

@@ -31,6 +31,7 @@ from typing import Any
 
 from jaxq import _compat as C
 from jaxq._program import Equation, Program
+from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 
@@ -218,11 +219,15 @@ def merge_composite(patterns: Table) -> Pass:
             )
         table.append((name, pat, check))
 
-    @program_pass(name="merge_composite")
-    def run(program: Program) -> Program:
+    def _run(program: Program) -> Program:
         for name, pat, check in table:
             program = _apply(program, name, pat, check)
         return program
+
+    @program_pass(name="merge_composite")
+    def run(program: Program) -> Program:
+        with paused_gc():
+            return _run(program)
 
     return run
 

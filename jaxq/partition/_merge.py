@@ -19,6 +19,7 @@ from typing import Any
 from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.partition._regions import BEGIN, END, NodeGraph, analyze, node_graph
+from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 
@@ -26,8 +27,7 @@ def merge_compiler_regions() -> Pass:
     """A pass that merges neighbouring regions of one compiler without ever creating a cycle (the
     compiler_end / compiler_begin pairs between merged regions are removed)."""
 
-    @program_pass(name="merge_compiler_regions")
-    def run(program: Program) -> Program:
+    def _run(program: Program) -> Program:
         an = analyze(program.jaxpr.jaxpr)
         base = len(an.compiler)
         if base < 2:
@@ -35,6 +35,11 @@ def merge_compiler_regions() -> Pass:
         graph = node_graph(an)
         find = _merge_groups(an.compiler, graph)
         return _rebuild(program, an, graph.node_of, find)
+
+    @program_pass(name="merge_compiler_regions")
+    def run(program: Program) -> Program:
+        with paused_gc():
+            return _run(program)
 
     return run
 

@@ -12,6 +12,7 @@ import jax
 from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.partition._regions import BEGIN, END, analyze, node_graph
+from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 META_KEY = "partition.regions"
@@ -33,8 +34,7 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
     by :func:`regions`.
     """
 
-    @program_pass(name="partition_graph")
-    def run(program: Program) -> Program:
+    def _run(program: Program) -> Program:
         closed = program.jaxpr
         jaxpr = closed.jaxpr
         an = analyze(jaxpr)
@@ -69,6 +69,11 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
         new = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
         meta = {**program.meta, META_KEY: types.MappingProxyType(known)}
         return program.with_jaxpr(new, meta=types.MappingProxyType(meta))
+
+    @program_pass(name="partition_graph")
+    def run(program: Program) -> Program:
+        with paused_gc():
+            return _run(program)
 
     return run
 

@@ -28,6 +28,7 @@ from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.annotate import on_device_p
 from jaxq.annotate._on_device import canonical_device
+from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 META_KEY = "partition.placement"
@@ -43,8 +44,7 @@ def plan_devices(default: Any = None) -> Pass:
     """A pass that places every top-level equation on a device per its ``on_device`` annotations
     (see the module docstring) and makes the copies between devices explicit."""
 
-    @program_pass(name="plan_devices")
-    def run(program: Program) -> Program:
+    def _run(program: Program) -> Program:
         closed = program.jaxpr
         jaxpr = closed.jaxpr
         eqns = jaxpr.eqns
@@ -95,6 +95,11 @@ def plan_devices(default: Any = None) -> Pass:
                 subst[e.outvars[0]] = x
         order = _schedule(eqns, producer, dev, keep)
         return _segments(program, order, dev, subst, home)
+
+    @program_pass(name="plan_devices")
+    def run(program: Program) -> Program:
+        with paused_gc():
+            return _run(program)
 
     return run
 
