@@ -190,36 +190,44 @@ class RegionInfo:
 
 
 def regions(program: Program) -> list[RegionInfo]:
-    """The regions of a partitioned program, in program order. ``primitives`` lists the primitive
-    names of each region's equations; a composite shows as its pattern name."""
+    """The regions of a partitioned program, in program order (also inside the device segments
+    made by ``plan_devices``). ``primitives`` lists the primitive names of each region's equations;
+    a composite shows as its pattern name. ``index`` is the position of the top-level equation
+    holding the region."""
     known = program.meta.get(META_KEY)
     pattern = None
     if known is None:
         pattern = re.compile(rf"(?P<c>[^.]+)_{re.escape(program.name)}_\d+")
-    out = []
-    for i, eqn in enumerate(program.jaxpr.jaxpr.eqns):
-        if not C.is_call_eqn(eqn):
-            continue
-        name = eqn.params.get("name")
-        if known is not None:
-            compiler = known.get(name)
-        else:
-            m = pattern.fullmatch(name) if pattern is not None else None
-            compiler = m.group("c") if m else None
-        if compiler is None:
-            continue
-        sub = eqn.params["jaxpr"]
-        out.append(
-            RegionInfo(
-                name,
-                compiler,
-                tuple(_label(e) for e in sub.jaxpr.eqns),
-                len(sub.jaxpr.invars),
-                len(sub.jaxpr.outvars),
-                i,
-                sub,
+    out: list[RegionInfo] = []
+
+    def visit(jaxpr: C.Jaxpr, top: int | None) -> None:
+        for i, eqn in enumerate(jaxpr.eqns):
+            if not C.is_call_eqn(eqn):
+                continue
+            here = i if top is None else top
+            name = eqn.params.get("name")
+            if known is not None:
+                compiler = known.get(name)
+            else:
+                m = pattern.fullmatch(name) if pattern is not None else None
+                compiler = m.group("c") if m else None
+            sub = eqn.params["jaxpr"]
+            if compiler is None:
+                visit(sub.jaxpr, here)  # a device segment (or a user's jit) may hold regions
+                continue
+            out.append(
+                RegionInfo(
+                    name,
+                    compiler,
+                    tuple(_label(e) for e in sub.jaxpr.eqns),
+                    len(sub.jaxpr.invars),
+                    len(sub.jaxpr.outvars),
+                    here,
+                    sub,
+                )
             )
-        )
+
+    visit(program.jaxpr.jaxpr, None)
     return out
 
 

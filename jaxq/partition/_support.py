@@ -56,6 +56,12 @@ def register_op_support(compiler: str, primitive: Any, predicate: Predicate | No
             return rec.in_avals[0].dtype == jnp.float32
 
     Registering the same ``(compiler, primitive)`` again replaces the predicate.
+
+    Nested jaxprs: a pure call (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``)
+    needs no registration and is supported when every equation inside it is; control flow
+    (``scan``, ``cond``, ``while``) must be registered *and* have every equation inside supported;
+    a composite ``jit`` named ``"<compiler>.<name>"`` belongs to that compiler. A nested call is
+    never split: it is in a region as a whole or not at all.
     """
     if not isinstance(compiler, str) or not compiler:
         raise TypeError(
