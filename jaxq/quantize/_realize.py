@@ -12,8 +12,9 @@
 * Requantize: the int32 accumulator times the float scale ``sa * sw`` (fused by XLA), or an
   integer-only fixed-point multiplier and rounding shift to int8 codes (``_fixed_point``), which are
   then dequantized at the float boundary.
-* A 1-row matmul is padded to 2 rows: XLA:CPU widens a 1-row s8 dot to s32 (about 15x slower),
-  while 2 rows take the fast library kernel.
+* A 1-row matmul (batch 1) carries its integer sums in f32 when they provably stay below 2**24
+  (bit-exact with the int32 result): XLA:CPU widens a 1-row s8 dot to s32. When the bound does
+  not hold, the row is duplicated so the s8 dot takes the fast kernel (2 rows or more).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ def weight_codes(qw: QWeight) -> jax.Array:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
+FLOAT_CARRY_MAX_ROWS = 1
+"""Matmuls with at most this many activation rows carry their exact integer sums in f32 (see
+:func:`_carry`): XLA:CPU has no fast s8 kernel for matrix-vector products."""
+
+
 def _host(*vs: Any) -> bool:
     """True when every value is a host constant: then scale arithmetic is folded in numpy and
     lands in the program as one constant."""
@@ -128,7 +134,7 @@ def _check_bits(site: Site) -> None:
             )
 
 
-def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> None:
+def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
     """Bound |accumulator| on the host; int32 must hold both the raw and the corrected sums."""
     qmin, qmax = a_scheme.qrange
     off = storage_offset(a_scheme)
@@ -139,6 +145,8 @@ def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> None:
     raw = np.abs(c).sum(axis=axes).max() * amax_raw
     centered = np.abs(c - qw.zero_point).sum(axis=axes).max() * amax_centered
     bound = max(int(raw), int(centered))
+    if bound < 2**31:
+        return bound
     if bound >= 2**31:
         k = math.prod(qw.codes.shape[d] for d in axes)
         raise QuantizeError(
@@ -159,7 +167,7 @@ def _quantize_act(a: jax.Array, scheme: Any, sa: Any, za: Any) -> tuple[jax.Arra
 
 
 def _int_dot(
-    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any
+    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
 ) -> tuple[jax.Array, Any]:
     """int32 accumulator of ``sum((qa - za)(qw - zw))`` and the float scale of each output."""
     dn = visit.params["dimension_numbers"]
@@ -172,6 +180,12 @@ def _int_dot(
     ranks = (qa.ndim, wq.ndim) if wi == 1 else (wq.ndim, qa.ndim)
     a_contract = (lc, rc)[ai]
     a_free = [d for d in range(qa.ndim) if d not in a_contract and d not in (lb, rb)[ai]]
+    rows = math.prod(qa.shape[d] for d in (*a_free, *(lb, rb)[ai]))
+    if rows <= FLOAT_CARRY_MAX_ROWS and exact_f32:
+        acc = _carry(
+            lambda x, y: lax.dot_general(x, y, dn, preferred_element_type=jnp.float32), qa, wq, wi
+        )
+        return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract)
     pad_rows = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
     # a 1-row s8 dot is slow on XLA:CPU; 2 rows take the fast kernel
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
@@ -179,6 +193,33 @@ def _int_dot(
     acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.int32)
     if pad_rows:
         acc = lax.slice_in_dim(acc, 0, 1, axis=0)
+    return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract)
+
+
+def _carry(op: Any, qa: jax.Array, wq: jax.Array, wi: int) -> jax.Array:
+    """Run an integer dot / convolution on f32 copies of the codes. Exact: every product and
+    partial sum is an integer below 2**24 (checked on the host), so the f32 result equals the int32
+    one bit for bit; the int8 weight constant is converted on the fly."""
+    a, w = qa.astype(jnp.float32), wq.astype(jnp.float32)
+    out = op(a, w) if wi == 1 else op(w, a)
+    return out.astype(jnp.int32)
+
+
+def _dot_finish(
+    acc: jax.Array,
+    site: Site,
+    qw: QWeight,
+    qa: jax.Array,
+    za_s: Any,
+    sa: Any,
+    dn: Any,
+    ranks: tuple[int, int],
+    a_contract: Any,
+) -> tuple[jax.Array, Any]:
+    (lc, rc), _ = dn
+    wi = site.weight_index
+    ai = 1 - wi
+    scheme = site.activations
     w_contract = (lc, rc)[wi]
     zp_a = not (scheme.symmetric and scheme.signed)
     zp_w = bool(np.any(qw.zero_point != 0))
@@ -240,25 +281,19 @@ def _int_dot_grouped(
 
 
 def _int_conv(
-    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any
+    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
 ) -> tuple[jax.Array, Any]:
     p = visit.params
     dn = p["dimension_numbers"]
     scheme = site.activations
     qa, za_s = _quantize_act(a, scheme, sa, za)
     wq = weight_codes(qw)
-    nsp = len(dn.lhs_spec) - 2
     padding, lhs_dil = p["padding"], p["lhs_dilation"]
     zp_a = not (scheme.symmetric and scheme.signed)
-    if zp_a and (any(lo or hi for lo, hi in padding) or any(d != 1 for d in lhs_dil)):
-        # the padded zeros must be the activation's zero point: pad explicitly
-        cfg = [(0, 0, 0)] * qa.ndim
-        for i in range(nsp):
-            lo, hi = padding[i]
-            cfg[dn.lhs_spec[2 + i]] = (lo, hi, lhs_dil[i] - 1)
-        mask = lax.pad(jnp.zeros(qa.shape, jnp.bool_), jnp.bool_(True), cfg)
-        qa = jnp.where(mask, za_s.astype(jnp.int8), lax.pad(qa, jnp.int8(0), cfg))
-        padding, lhs_dil = ((0, 0),) * nsp, (1,) * nsp
+    # Padded (and dilation-inserted) positions hold code 0, not the zero point, so the zero-point
+    # terms are sums over the *real* positions of each window: convolutions of a one-sample mask of
+    # ones (constants XLA folds), instead of padding the activations with the zero point.
+    borders = any(lo or hi for lo, hi in padding) or any(d != 1 for d in lhs_dil)
 
     def conv(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         return lax.conv_general_dilated(
@@ -275,6 +310,7 @@ def _int_conv(
             preferred_element_type=jnp.int32,
         )
 
+    del exact_f32  # (an f32-carried convolution measured 2-3x slower than s8 on XLA:CPU)
     acc = conv(qa, wq)
     out_rank = len(dn.out_spec)
 
@@ -292,16 +328,27 @@ def _int_conv(
         shape[dn.out_spec[0]] = -1
         return _xp(v).reshape(v, shape)
 
+    mask_shape = list(qa.shape)
+    mask_shape[dn.lhs_spec[0]] = 1
+    mask = jnp.ones(mask_shape, jnp.int8)
+    ones_k = jnp.ones(wq.shape, jnp.int8)
     w_axes = tuple(d for d in range(wq.ndim) if d != site.channel_axis)
     if zp_a:
-        colsum = qw.codes.astype(np.int32).sum(axis=w_axes)
-        acc = acc - per_sample(za_s) * per_channel(colsum)
+        if borders:
+            wsum = conv(mask, wq)  # [1, out spatial..., O]: sum of w over real positions
+        else:
+            wsum = per_channel(qw.codes.astype(np.int32).sum(axis=w_axes))
+        acc = acc - per_sample(za_s) * wsum
     zw = qw.zero_point.reshape(-1) if qw.zero_point.size > 1 else qw.zero_point.reshape(())
     if np.any(zw != 0):
-        k = math.prod(qw.codes.shape[d] for d in w_axes)
-        window = conv(qa, jnp.ones(wq.shape, jnp.int8))
         zw_out = per_channel(zw)
-        acc = acc - zw_out * window + k * per_sample(za_s) * zw_out
+        acc = acc - zw_out * conv(qa, ones_k)
+        if zp_a:
+            if borders:
+                count = conv(mask, ones_k)
+            else:
+                count = np.int32(math.prod(qw.codes.shape[d] for d in w_axes))
+            acc = acc + per_sample(za_s) * zw_out * count
     w_scale = qw.scale.reshape(-1) if qw.scale.size > 1 else qw.scale.reshape(())
     return acc, per_sample(sa) * per_channel(w_scale)
 
@@ -324,11 +371,11 @@ def realize_handler(state: QState) -> SiteHandler:
         a = invals[1 - wi]
         params = _static_act(state, site, "realize")
         sa, za = act_qparams(a, scheme, site, params)
-        _check_overflow(site, qw, scheme, None if params is None else params.zero_point)
+        bound = _check_overflow(site, qw, scheme, None if params is None else params.zero_point)
         if site.weights.granularity == "group":
             return _int_dot_grouped(visit, site, qw, a, sa, za).astype(out_dtype)
         lower = _int_dot if site.primitive == "dot_general" else _int_conv
-        acc, scale = lower(visit, site, qw, a, sa, za)
+        acc, scale = lower(visit, site, qw, a, sa, za, bound < 2**24)
         out = state.act.get(site.name + ":out")
         if config.requantize == "fixed_point":
             if out is None:
