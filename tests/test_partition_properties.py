@@ -14,7 +14,7 @@ import jaxq
 from jaxq import partition as P
 from jaxq._compat import check_jaxpr
 from jaxq.partition._support import is_supported
-from jaxq.transform import Sequential
+from jaxq.transform import PassContext, Sequential, WellFormed
 
 POOL = (
     "sin", "cos", "tanh", "abs", "neg", "mul", "add", "sub", "max", "min", "dot_general",
@@ -54,7 +54,8 @@ def test_partitioning_random_programs(rp, sets, merge):
         passes = [P.annotate_target(["A", "B"])]
         if merge:
             passes.append(P.merge_compiler_regions())
-        out = Sequential([*passes, P.partition_graph()])(prog)
+        with PassContext(instruments=[WellFormed()]):  # after every pass, not only the last
+            out = Sequential([*passes, P.partition_graph()])(prog)
         check_jaxpr(out.jaxpr.jaxpr)  # well-formed, so the regions were extracted without a cycle
         text = str(out.jaxpr)
         assert "compiler_begin" not in text and "compiler_end" not in text
