@@ -1,5 +1,7 @@
 """jaxq: a functional compiler toolkit whose IR is JAX's jaxpr."""
 
+from jaxq import annotate as annotate
+from jaxq import partition as partition
 from jaxq import transform as transform
 from jaxq._program import Equation as Equation
 from jaxq._program import Program as Program
@@ -11,5 +13,6 @@ from jaxq._serialize import load as load
 from jaxq._sharding import constant_shardings as constant_shardings
 from jaxq._sharding import split_constants as split_constants
 from jaxq._taps import intermediates as intermediates
+from jaxq.partition import build as build
 
 __version__ = "0.1.0"
