@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -437,3 +438,30 @@ def test_accumulator_overflow_is_an_error():
     x = np.ones((2, k), np.float32)
     with pytest.raises(QuantizeError, match="int32 accumulator .* could overflow"):
         Q.quantize(big, calibration=[(x,)], progress=False)
+
+
+def test_pass_through_ops_stay_in_the_integer_domain():
+    from jaxq.quantize._lower import lower
+    from jaxq.quantize._realize import realize_handler
+
+    def net(x):
+        with jax.named_scope("Conv_0"):
+            h = lax.conv_general_dilated(
+                x, K1, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+        h = jax.nn.relu(h)
+        h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        h = jnp.transpose(h, (0, 3, 1, 2)).reshape(x.shape[0], -1)
+        with jax.named_scope("Dense_0"):
+            return h @ WC[:16]
+
+    qf = Q.quantize(net, calibration=[(XI,)], progress=False)
+    text = str(qf.program)
+    for op in ("reduce_window_max", "transpose", "reshape", "max"):
+        assert re.search(rf"int8\[[0-9,]+\]\S* = {op}", text), op
+    state = get_state(qf.program, "t")
+    plain, _ = lower(state, realize_handler(state), integer_chains=False)  # quantize at the dot
+    assert not re.search(r"int8\[[0-9,]+\]\S* = reduce_window_max", str(plain))
+    np.testing.assert_array_equal(np.asarray(qf(XI)), np.asarray(plain(XI)))
+    sim = Q.quantize(net, calibration=[(XI,)], mode="simulate", progress=False)
+    np.testing.assert_allclose(np.asarray(qf(XI)), np.asarray(sim(XI)), atol=1e-5)

@@ -200,7 +200,7 @@ class QuantizedFunction:
             source = prepare(trace(self._fun, *a, **k))
             state = self._state.replace(source=source)
             handler = realize_handler(state) if self.mode == "realize" else simulate_handler(state)
-            prog, engine = lower(state, handler)
+            prog, engine = lower(state, handler, integer_chains=self.mode == "realize")
             state = state.replace(
                 sites=engine.sites, skipped=engine.skipped, weights=engine.weights
             )

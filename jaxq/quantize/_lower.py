@@ -393,6 +393,115 @@ def is_concrete(v: Any) -> bool:
     return not isinstance(v, jax.core.Tracer)
 
 
+# ---- integer pass-through ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QTensor:
+    """An activation already in the integer domain (realize only): int8 codes whose real value is
+    ``scale * (codes - zero_point)``. It only flows from a chain of pass-through equations into the
+    quantized equation that planned the chain (see :func:`plan_chains`)."""
+
+    codes: jax.Array
+    scale: Any
+    zero_point: Any  # int32, offset into the signed range
+
+    def dequantize(self) -> jax.Array:
+        return (self.codes.astype(jnp.int32) - self.zero_point).astype(jnp.float32) * self.scale
+
+
+_SHAPE_PASS = (
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "slice",
+    "rev",
+    "copy",
+    "copy_p",
+    "reduce_window_max",
+)
+PASS_THROUGH = (*_SHAPE_PASS, "max", "custom_jvp_call")
+
+
+def _is_zero(atom: Any) -> bool:
+    return C.is_literal(atom) and np.ndim(atom.val) == 0 and float(atom.val) == 0.0
+
+
+def _relu_body(jaxpr: C.Jaxpr) -> bool:
+    """``max(x, 0)``, possibly wrapped in single-equation jit calls (``jax.nn.relu``)."""
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in INLINE:
+        (_, _, sub), *_ = C.subjaxpr_params(jaxpr.eqns[0].params)
+        jaxpr = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
+    if len(jaxpr.eqns) != 1 or len(jaxpr.invars) != 1:
+        return False
+    e = jaxpr.eqns[0]
+    return (
+        e.primitive.name == "max"
+        and jaxpr.invars[0] in e.invars
+        and any(_is_zero(a) for a in e.invars)
+    )
+
+
+def passthrough_input(eqn: C.JaxprEqn) -> int | None:
+    """Index of the data operand of an equation that commutes exactly with per-tensor quantization
+    (shape ops, max pooling, ReLU), else None."""
+    prim = eqn.primitive.name
+    data = [i for i, v in enumerate(eqn.invars) if not C.is_literal(v)]
+    if len(data) != 1 or len(eqn.outvars) != 1:
+        return None
+    if prim in _SHAPE_PASS:
+        return data[0]
+    if prim == "max" and any(_is_zero(v) for v in eqn.invars):
+        return data[0]
+    if prim == "custom_jvp_call":
+        body = eqn.params["call_jaxpr"]
+        return (
+            data[0] if _relu_body(body.jaxpr if isinstance(body, C.ClosedJaxpr) else body) else None
+        )
+    return None
+
+
+def plan_chains(source: Program, state: QState) -> dict[str, str]:
+    """Equations (by name) whose single-use outputs only feed, through pass-through equations, the
+    activation operand of a statically quantized equation: they run on int8 codes in realize."""
+    jaxpr = source.jaxpr.jaxpr
+    names = source.names
+    producer: dict[Any, int] = {}
+    uses: dict[Any, int] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for v in e.outvars:
+            producer[v] = i
+        for v in e.invars:
+            if not C.is_literal(v):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not C.is_literal(v):
+            uses[v] = uses.get(v, 0) + 1
+    chains: dict[str, str] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        name = names[(i,)]
+        site = state.sites.get(name)
+        if (
+            site is None
+            or site.activations is None
+            or site.activations.granularity != "tensor"
+            or name not in state.act
+            or not jnp.issubdtype(e.invars[1 - site.weight_index].aval.dtype, jnp.floating)
+        ):
+            continue
+        v = e.invars[1 - site.weight_index]
+        while not C.is_literal(v) and v in producer and uses.get(v) == 1:
+            j = producer[v]
+            k = passthrough_input(jaxpr.eqns[j])
+            if k is None:
+                break
+            chains[names[(j,)]] = name
+            v = jaxpr.eqns[j].invars[k]
+    return chains
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 
 
@@ -402,8 +511,11 @@ SiteHandler = Callable[[Visit, Site, QWeight, list[Any]], Any]
 class Engine:
     """Rules shared by every mode; ``handler(visit, site, qweight, invals)`` does the mode's work."""
 
-    def __init__(self, state: QState, handler: SiteHandler, *, discover: bool = True) -> None:
+    def __init__(
+        self, state: QState, handler: SiteHandler, chains: Mapping[str, str] | None = None
+    ) -> None:
         self.state = state
+        self.chains = dict(chains or {})
         self.handler = handler
         self.sites: dict[str, Site] = {}
         self.skipped: dict[str, str] = {}
@@ -415,7 +527,38 @@ class Engine:
         table: dict[str, Any] = {p: self.site_rule for p in QUANTIZABLE}
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
+        if self.chains:
+            table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         return table
+
+    def passthrough_rule(self, visit: Visit, *invals: Any) -> Any:
+        """Run a planned pass-through equation on int8 codes (quantizing its input if needed)."""
+        site_name = self.chains.get(visit.name)
+        if site_name is None:
+            fold = visit.primitive in FOLDABLE
+            return self.fold_rule(visit, *invals) if fold else visit.bind(*invals)
+        k = passthrough_input(visit.eqn)
+        x = invals[k]
+        if not isinstance(x, QTensor):
+            site = self.state.sites[site_name]
+            scheme = site.activations
+            params = self.state.act[site_name]
+            off = storage_offset(scheme)
+            zp = np.float32(params.zero_point)
+            q = codes(x, np.float32(params.scale), zp, scheme)
+            x = QTensor(
+                (q + off if off else q).astype(jnp.int8),
+                np.float32(params.scale),
+                np.int32(params.zero_point + off),
+            )
+        if visit.primitive in ("max", "custom_jvp_call"):  # ReLU: the code of 0 is the zero point
+            out = jnp.maximum(x.codes, x.zero_point.astype(np.int8))
+        else:
+            new = list(invals)
+            new[k] = x.codes
+            out = visit.bind(*new)
+        q = QTensor(out, x.scale, x.zero_point)
+        return [q] if visit.eqn.primitive.multiple_results else q
 
     def fold_rule(self, visit: Visit, *invals: Any) -> Any:
         if invals and all(is_concrete(v) for v in invals):
@@ -443,36 +586,43 @@ class Engine:
         weights, acts, rule = resolve(config, name, visit.primitive)
         if rule is not None:
             self.matched.add(rule)
+        raw = list(invals)
+
+        def bind_float() -> Any:  # leave the equation as it is (dequantizing any int8 operand)
+            return visit.bind(*(v.dequantize() if isinstance(v, QTensor) else v for v in raw))
+
         if weights is None:
             self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
-            return visit.bind(*invals)
-        concrete = [i for i, v in enumerate(invals) if is_concrete(v)]
+            return bind_float()
+        concrete = [i for i, v in enumerate(raw) if not isinstance(v, QTensor) and is_concrete(v)]
         if len(concrete) != 1:
             self.skipped[name] = (
                 "no constant (weight) operand" if not concrete else "both operands constant"
             )
-            return visit.bind(*invals)
+            return bind_float()
         wi = concrete[0]
         in_loop = visit.path[:-1] not in self.inlined
         site = make_site(visit, config, wi, weights, acts, rule, in_loop)
         if isinstance(site, str):
             self.skipped[name] = site
-            return visit.bind(*invals)
+            return bind_float()
         qw = self.weights.get(name)
-        if qw is None or qw.shape != tuple(np.shape(invals[wi])):
-            qw = quantize_weight(invals[wi], site)
+        if qw is None or qw.shape != tuple(np.shape(raw[wi])):
+            qw = quantize_weight(raw[wi], site)
             self.weights[name] = qw
         self.sites[name] = site
-        return self.handler(visit, site, qw, list(invals))
+        return self.handler(visit, site, qw, raw)
 
 
 def lower(
-    state: QState, handler: SiteHandler, source: Program | None = None
+    state: QState, handler: SiteHandler, *, integer_chains: bool = False
 ) -> tuple[Program, Engine]:
-    """Rewrite the float program through the engine's rules (``rewrite`` re-traces it)."""
-    engine = Engine(state, handler)
+    """Rewrite the float program through the engine's rules (``rewrite`` re-traces it).
+    ``integer_chains`` (realize) runs planned pass-through equations on int8 codes."""
+    chains = plan_chains(state.source, state) if integer_chains else None
+    engine = Engine(state, handler, chains)
     try:
-        out = rewrite(state.source if source is None else source, engine.rules(), scope="quantize")
+        out = rewrite(state.source, engine.rules(), scope="quantize")
     except RewriteError as e:
         raise_cause(e)
         raise

@@ -33,6 +33,7 @@ from jaxq.quantize import _fixed_point as F
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import (
     QState,
+    QTensor,
     QuantizeError,
     QWeight,
     Site,
@@ -158,7 +159,9 @@ def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
 # ---- the integer lowerings ----------------------------------------------------------------------
 
 
-def _quantize_act(a: jax.Array, scheme: Any, sa: Any, za: Any) -> tuple[jax.Array, Any]:
+def _quantize_act(a: Any, scheme: Any, sa: Any, za: Any) -> tuple[jax.Array, Any]:
+    if isinstance(a, QTensor):  # already quantized upstream (pass-through chain)
+        return a.codes, a.zero_point
     off = storage_offset(scheme)
     q = codes(a, sa, za, scheme)
     qa = (q + off if off else q).astype(jnp.int8)
@@ -406,7 +409,7 @@ def realize_program(program: Program, config: QConfig | None = None) -> Program:
             "(and calibrate) again with the new config"
         )
     state = state.replace(mode="realize")
-    out, engine = lower(state, realize_handler(state))
+    out, engine = lower(state, realize_handler(state), integer_chains=True)
     state = state.replace(weights=engine.weights)
     return with_state(out, state)
 
