@@ -10,7 +10,6 @@ from jaxq._program import Program
 from jaxq.annotate import compiler_begin_p, compiler_end_p
 from jaxq.partition._regions import OUTSIDE, analyze
 from jaxq.partition._support import check_compilers, is_supported
-from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 _NO_EFFECTS: frozenset[Any] = frozenset()
@@ -95,7 +94,6 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
 
     @program_pass(name="annotate_target")
     def run(program: Program) -> Program:
-        with paused_gc():
-            return _run(program)
+        return _run(program)
 
     return run

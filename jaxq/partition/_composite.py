@@ -31,7 +31,6 @@ from typing import Any
 
 from jaxq import _compat as C
 from jaxq._program import Equation, Program
-from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 
@@ -226,8 +225,7 @@ def merge_composite(patterns: Table) -> Pass:
 
     @program_pass(name="merge_composite")
     def run(program: Program) -> Program:
-        with paused_gc():
-            return _run(program)
+        return _run(program)
 
     return run
 

@@ -19,7 +19,6 @@ from typing import Any
 from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.partition._regions import BEGIN, END, NodeGraph, analyze, node_graph
-from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 
@@ -38,8 +37,7 @@ def merge_compiler_regions() -> Pass:
 
     @program_pass(name="merge_compiler_regions")
     def run(program: Program) -> Program:
-        with paused_gc():
-            return _run(program)
+        return _run(program)
 
     return run
 

@@ -12,7 +12,6 @@ import jax
 from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.partition._regions import BEGIN, END, analyze, node_graph
-from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 META_KEY = "partition.regions"
@@ -72,8 +71,7 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
 
     @program_pass(name="partition_graph")
     def run(program: Program) -> Program:
-        with paused_gc():
-            return _run(program)
+        return _run(program)
 
     return run
 

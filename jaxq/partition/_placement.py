@@ -28,7 +28,6 @@ from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.annotate import on_device_p
 from jaxq.annotate._on_device import canonical_device
-from jaxq.partition._util import paused_gc
 from jaxq.transform import Pass, program_pass
 
 META_KEY = "partition.placement"
@@ -98,8 +97,7 @@ def plan_devices(default: Any = None) -> Pass:
 
     @program_pass(name="plan_devices")
     def run(program: Program) -> Program:
-        with paused_gc():
-            return _run(program)
+        return _run(program)
 
     return run
 
