@@ -355,6 +355,8 @@ def test_passes_compose_and_report():
     assert "MLP/Dense_1/dot_general" in str(rep) and "int8 sym channel narrow" in str(rep)
     annotated = Q.annotate(QConfig())(prog)
     assert "kind=weight" in str(annotated) and "kind=activation" in str(annotated)
+    assert str(Q.annotate(QConfig())(annotated)) == str(annotated)  # idempotent
+    assert str(Q.realize()(out)) == str(out)  # realize starts from the float program again
 
 
 def test_rules_first_match_wins_and_unmatched_are_reported():

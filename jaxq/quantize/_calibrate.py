@@ -36,7 +36,7 @@ def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
         yield from it
         return
     try:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
     except ImportError:
         count = 0
         for x in it:
