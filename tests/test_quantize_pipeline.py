@@ -467,3 +467,15 @@ def test_pass_through_ops_stay_in_the_integer_domain():
     np.testing.assert_array_equal(np.asarray(qf(XI)), np.asarray(plain(XI)))
     sim = Q.quantize(net, calibration=[(XI,)], mode="simulate", progress=False)
     np.testing.assert_allclose(np.asarray(qf(XI)), np.asarray(sim(XI)), atol=1e-5)
+
+
+def test_rule_quantizes_a_bias_add_weights_only():
+    rules = (Rule(pattern="Dense_0", primitives={"add"}, weights=Scheme(bits=8)),)
+    r, s = both(mlp, [(X,)], QConfig(rules=rules))
+    rows = {row.name: row for row in r.report().layers}
+    assert rows["MLP/Dense_0/add"].weights == "int8 sym tensor"
+    assert rows["MLP/Dense_0/add"].activations is None
+    assert "MLP/Dense_1/add" not in rows  # elementwise ops are opt-in, and unreported otherwise
+    np.testing.assert_allclose(np.asarray(r(X)), np.asarray(s(X)), atol=1e-5)
+    plain = Q.quantize(mlp, calibration=[(X,)], progress=False)
+    assert r.report().param_bytes < plain.report().param_bytes  # the f32 bias became int8

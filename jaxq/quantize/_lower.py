@@ -31,6 +31,8 @@ from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
 
 QUANTIZABLE = ("dot_general", "conv_general_dilated")
+ELEMENTWISE = ("add", "mul")
+"""Quantized only where a Rule names them in ``primitives`` (a bias or a scale): weights only."""
 FOLDABLE = (
     "transpose",
     "reshape",
@@ -138,6 +140,18 @@ def resolve(
     config: QConfig, name: str, primitive: str
 ) -> tuple[Scheme | None, Scheme | None, int | None]:
     """``(weights, activations, rule index)`` for an equation; weights None means float."""
+    if primitive in ELEMENTWISE:  # opt-in: a rule must name the primitive; weights only
+        for i, rule in enumerate(config.rules):
+            if rule.primitives and primitive in rule.primitives and rule.matches(name, primitive):
+                w = (
+                    None
+                    if rule.skip
+                    else config.weights
+                    if rule.weights is INHERIT
+                    else rule.weights
+                )
+                return w, None, i
+        return None, None, None
     for i, rule in enumerate(config.rules):
         if rule.matches(name, primitive):
             if rule.skip:
@@ -343,6 +357,20 @@ def _conv_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[i
     return channel, contract, reduce
 
 
+def _elementwise_geometry(
+    visit: Visit, wi: int, weights: Scheme
+) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    shape = visit.eqn.invars[wi].aval.shape
+    if weights.granularity == "group":
+        raise QuantizeError(
+            f"quantize: granularity='group' applies to matmul weights; {visit.name!r} is a "
+            f"{visit.primitive}. Use 'tensor' or 'channel' in its Rule."
+        )
+    if not shape and weights.granularity == "channel":
+        return "a scalar operand has no channel axis"
+    return max(len(shape) - 1, 0), (), ()
+
+
 def make_site(
     visit: Visit,
     config: QConfig,
@@ -352,7 +380,12 @@ def make_site(
     rule: int | None,
     in_loop: bool,
 ) -> Site | str:
-    geo = (_dot_geometry if visit.primitive == "dot_general" else _conv_geometry)(visit, wi)
+    if visit.primitive in ELEMENTWISE:
+        geo = _elementwise_geometry(visit, wi, weights)
+    elif visit.primitive == "dot_general":
+        geo = _dot_geometry(visit, wi)
+    else:
+        geo = _conv_geometry(visit, wi)
     if isinstance(geo, str):
         return geo
     channel, contract, reduce = geo
@@ -524,7 +557,7 @@ class Engine:
         self.inlined: set[tuple[Any, ...]] = {()}
 
     def rules(self) -> dict[str, Any]:
-        table: dict[str, Any] = {p: self.site_rule for p in QUANTIZABLE}
+        table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *ELEMENTWISE)}
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
         if self.chains:
@@ -592,7 +625,8 @@ class Engine:
             return visit.bind(*(v.dequantize() if isinstance(v, QTensor) else v for v in raw))
 
         if weights is None:
-            self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
+            if visit.primitive not in ELEMENTWISE or rule is not None:
+                self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
             return bind_float()
         concrete = [i for i, v in enumerate(raw) if not isinstance(v, QTensor) and is_concrete(v)]
         if len(concrete) != 1:

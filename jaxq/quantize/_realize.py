@@ -365,9 +365,10 @@ def realize_handler(state: QState) -> SiteHandler:
         out_dtype = visit.eqn.outvars[0].aval.dtype
         scheme = site.activations
         if scheme is None:  # weight-only: dequantize the stored codes at the float boundary
-            w = (
-                weight_codes(qw).astype(jnp.float32) - jnp.asarray(qw.zero_point, jnp.float32)
-            ) * jnp.asarray(qw.scale)
+            w = weight_codes(qw).astype(jnp.float32)
+            if np.any(qw.zero_point != 0):
+                w = w - qw.zero_point.astype(np.float32)
+            w = w * qw.scale  # as simulated_quantize computes it: (q - zp) * s, in f32
             new = list(invals)
             new[wi] = w.astype(jnp.asarray(invals[wi]).dtype)
             return visit.bind(*new)
