@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from strategies import programs
 
 import jaxq
 import jaxq.quantize as Q
@@ -479,3 +480,41 @@ def test_rule_quantizes_a_bias_add_weights_only():
     np.testing.assert_allclose(np.asarray(r(X)), np.asarray(s(X)), atol=1e-5)
     plain = Q.quantize(mlp, calibration=[(X,)], progress=False)
     assert r.report().param_bytes < plain.report().param_bytes  # the f32 bias became int8
+
+
+@settings(max_examples=8)
+@given(programs(max_ops=6))
+def test_random_programs_quantize_in_both_modes(rp):
+    """Nested jit / scan / cond / while / remat / custom_jvp: quantization never breaks a program;
+    dots and convolutions it cannot reach stay float and are reported."""
+    cal = [rp.args]
+    cfg = QConfig(dynamic=True)  # activation sites inside loops cannot be calibrated anyway
+    r = Q.quantize(rp.fun, calibration=cal, config=cfg, progress=False)
+    s = Q.quantize(rp.fun, calibration=cal, config=cfg, mode="simulate", progress=False)
+    ref = jax.tree.leaves(rp.fun(*rp.args))
+    for a, b, c in zip(
+        jax.tree.leaves(r(*rp.args)), jax.tree.leaves(s(*rp.args)), ref, strict=True
+    ):
+        assert a.shape == c.shape and a.dtype == c.dtype
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-3 * (1 + np.abs(np.asarray(b)).max())
+        )
+    str(r.report())
+
+
+def test_control_flow_bodies_are_left_float_and_reported():
+    def f(x):
+        def body(h, _):
+            return jax.nn.relu(h @ W1[:, :16]), None
+
+        h, _ = lax.scan(body, x, None, length=2)
+        h = lax.cond(h.sum() > 0, lambda v: v @ W1, lambda v: -v @ W1, h)
+        with jax.named_scope("Out"):
+            return h @ W2
+
+    qf = Q.quantize(f, calibration=[(X,)], progress=False)
+    rows = {r.name: r for r in qf.report().layers}
+    assert rows["Out/dot_general"].status == "quantized"
+    loops = [r for r in rows.values() if r.status != "quantized"]
+    assert loops and all(r.status == "no constant (weight) operand" for r in loops)
+    np.testing.assert_allclose(np.asarray(qf(X)), np.asarray(f(X)), atol=0.05 * np.abs(f(X)).max())
