@@ -217,7 +217,6 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
             )
             full_scale, full_zp = scale, zp
         else:  # group: a 2-D weight, groups along the contracted axis, per channel
-            (k,) = site.contract_axes
             wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
             n, kk = wt.shape
             g = s.group_size
@@ -225,7 +224,6 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
             group_scale, group_zp = range_to_qparams(blocks.min(-1), blocks.max(-1), s)
             full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
             full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
-            del k
         off = storage_offset(s)
         scales = QWeight(
             codes=np.zeros(wf.shape, np.int8),

@@ -276,7 +276,7 @@ def _int_dot_grouped(
         rowsum = jnp.moveaxis(jnp.sum(qa_g.astype(jnp.int32), axis=-1), -1, 0)[..., None]
         zw = gzp.reshape(groups, *expand, n)
         acc = acc - zw * rowsum + g * za_g * zw
-    gs = jnp.asarray(qw.group_scale.T.reshape(groups, *expand, n))
+    gs = qw.group_scale.T.reshape(groups, *expand, n)
     y = jnp.sum(acc.astype(jnp.float32) * gs, axis=0)
     sa_t = jnp.moveaxis(jnp.asarray(sa, jnp.float32), ka, -1) if jnp.ndim(sa) else sa
     y = y * sa_t
