@@ -13,13 +13,16 @@ for instance); :func:`jaxq.build` then runs the program eagerly too.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
 
 from jaxq import _compat as C
 from jaxq._program import Program
+
+if TYPE_CHECKING:
+    from jax.core import ShapedArray
 
 Codegen = Callable[[Program], Callable[..., Sequence[Any]]]
 
@@ -35,6 +38,12 @@ class UnknownBackendError(KeyError):
 
 class BackendError(RuntimeError):
     """A backend failed to compile or run a region; the message names the region."""
+
+
+def shaped_aval(atom: Any) -> ShapedArray:
+    """``atom.aval`` as a ShapedArray: regions compute on arrays only, but JAX types ``Var.aval`` as
+    the base ``AbstractValue``, which has no shape or dtype."""
+    return cast("ShapedArray", atom.aval)
 
 
 def register_backend(compiler: str, codegen: Codegen) -> None:
@@ -240,7 +249,7 @@ def eval_host(jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
                 out = rule(*ins)
             outs = [out]
         for v, o in zip(e.outvars, outs, strict=True):
-            env[v] = np.asarray(o, dtype=v.aval.dtype)
+            env[v] = np.asarray(o, dtype=shaped_aval(v).dtype)
     return [read(a) for a in jaxpr.outvars]
 
 

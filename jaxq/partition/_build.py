@@ -90,7 +90,7 @@ def build(
     segments: dict[str, Callable[..., Any]] = {}
     for eqn in closed.jaxpr.eqns:
         name = eqn.params.get("name") if C.is_call_eqn(eqn) else None
-        if name in placement:
+        if name is not None and name in placement:
             segments[name] = _segment_runner(
                 eqn.params["jaxpr"], device_of(placement[name]), interp
             )

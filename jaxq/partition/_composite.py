@@ -159,9 +159,11 @@ class _Matcher:
             ok = C.is_literal(atom) or atom in self.constvars
         else:
             assert isinstance(p, Op)
-            st = self._match_op(p, atom, st)
-            ok = st is not None
-        if not ok or st is None:
+            matched = self._match_op(p, atom, st)
+            if matched is None:
+                return None
+            st, ok = matched, True
+        if not ok:
             return None
         st.memo[key] = atom
         return st

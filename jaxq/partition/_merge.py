@@ -79,11 +79,11 @@ def _merge_groups(compiler: list[str], graph: NodeGraph) -> Callable[[int], int]
                     acc.add(p)
             else:
                 acc.update(restrict[p])
-        acc = {x for x in acc if left[find(x)] > 0} if acc else empty
+        live: set[int] | frozenset[int] = {x for x in acc if left[find(x)] > 0} if acc else empty
         if node < base:
             me = find(node)
             if same:
-                blocked = {find(x) for x in acc}
+                blocked = {find(x) for x in live}
                 for p in sorted(same):
                     g = find(p)
                     if g == me or g in blocked:
@@ -92,9 +92,9 @@ def _merge_groups(compiler: list[str], graph: NodeGraph) -> Callable[[int], int]
                     group[other] = root
                     left[root] += left[other]
                     me = root
-            restrict[me] = acc
+            restrict[me] = live
         else:
-            restrict[node] = acc
+            restrict[node] = live
         for p in ps:  # this node's edges are visited now; forget what can no longer matter
             k = find(p) if p < base else p
             left[k] -= 1

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq.partition._backends import BackendError, callback_runner, register_backend
+from jaxq.partition._backends import BackendError, callback_runner, register_backend, shaped_aval
 
 OPSET = 18
 
@@ -97,7 +97,7 @@ class _Exporter:
 
     def eqn(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         name, p = e.primitive.name, e.params
-        out_aval = e.outvars[0].aval
+        out_aval = shaped_aval(e.outvars[0])
         if name in _INLINE:
             sub = C.as_closed(p[_INLINE[name]])
             return self.run(sub.jaxpr, sub.consts, ins)
@@ -110,7 +110,7 @@ class _Exporter:
         if name == "square":
             return self.node("Mul", [ins[0], ins[0]])
         if name == "integer_pow":
-            y = self.const(p["y"], e.invars[0].aval.dtype)
+            y = self.const(p["y"], shaped_aval(e.invars[0]).dtype)
             return self.node("Pow", [ins[0], y])
         if name == "dot_general":
             return self.dot_general(e, ins)
@@ -118,7 +118,7 @@ class _Exporter:
             shape, dims = p["shape"], p["broadcast_dimensions"]
             expanded = [1] * len(shape)
             for i, d in enumerate(dims):
-                expanded[d] = e.invars[0].aval.shape[i]
+                expanded[d] = shaped_aval(e.invars[0]).shape[i]
             r = self.node("Reshape", [ins[0], self.const(expanded, np.int64)])
             return self.node("Expand", [r[0], self.const(shape, np.int64)])
         if name in ("reshape", "squeeze", "expand_dims"):
@@ -134,14 +134,14 @@ class _Exporter:
             return self.node(op[name], [ins[0], axes], keepdims=0)
         if name == "select_n":
             which, f, t = ins
-            if e.invars[0].aval.dtype != np.bool_:
+            if shaped_aval(e.invars[0]).dtype != np.bool_:
                 which = self.node("Cast", [which], to=self.onnx.TensorProto.BOOL)[0]
             return self.node("Where", [which, t, f])
         raise BackendError(f"the ONNX exporter has no rule for {name!r}")
 
     def dot_general(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         (cx, cy), (bx, by) = e.params["dimension_numbers"]
-        nx, ny = e.invars[0].aval.ndim, e.invars[1].aval.ndim
+        nx, ny = shaped_aval(e.invars[0]).ndim, shaped_aval(e.invars[1]).ndim
         letters = iter("abcdefghijklmnopqrstuvwxyz")
         sx = [next(letters) for _ in range(nx)]
         sy = [next(letters) for _ in range(ny)]
@@ -152,8 +152,8 @@ class _Exporter:
         fy = [s for i, s in enumerate(sy) if i not in cy and i not in by]
         eq = f"{''.join(sx)},{''.join(sy)}->{''.join(batch + fx + fy)}"
         out = self.node("Einsum", ins, equation=eq)
-        want = np.dtype(e.outvars[0].aval.dtype)
-        if want != np.dtype(e.invars[0].aval.dtype):
+        want = np.dtype(shaped_aval(e.outvars[0]).dtype)
+        if want != np.dtype(shaped_aval(e.invars[0]).dtype):
             to = self.helper.np_dtype_to_tensor_dtype(want)
             out = self.node("Cast", out, to=to)
         return out

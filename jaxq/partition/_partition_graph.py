@@ -65,9 +65,9 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
                     eqn = eqn.replace(invars=new)
             out.append(eqn)
         outvars = [v if C.is_literal(v) else subst.get(v, v) for v in jaxpr.outvars]
-        new = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
+        new_closed = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
         meta = {**program.meta, META_KEY: types.MappingProxyType(known)}
-        return program.with_jaxpr(new, meta=types.MappingProxyType(meta))
+        return program.with_jaxpr(new_closed, meta=types.MappingProxyType(meta))
 
     @program_pass(name="partition_graph")
     def run(program: Program) -> Program:
@@ -203,7 +203,7 @@ def regions(program: Program) -> list[RegionInfo]:
             if not C.is_call_eqn(eqn):
                 continue
             here = i if top is None else top
-            name = eqn.params.get("name")
+            name: str = eqn.params["name"]  # every jit equation is named
             if known is not None:
                 compiler = known.get(name)
             else:

@@ -63,17 +63,18 @@ def plan_devices(default: Any = None) -> Pass:
         need: dict[Any, str] = {}
         for i in range(n - 1, -1, -1):
             e = eqns[i]
+            d: str | None
             if e.primitive is on_device_p:
-                dev[i] = e.params["device"]
+                d = e.params["device"]
             else:
                 d = next((want[v] for v in e.outvars if v in want), None)
                 if d is None:
                     d = next((need[v] for v in e.outvars if v in need), None)
-                dev[i] = d
-            if dev[i] is not None:
+            dev[i] = d
+            if d is not None:
                 for v in e.invars:
                     if not C.is_literal(v):
-                        need[v] = dev[i]  # earlier consumers overwrite: the first one wins
+                        need[v] = d  # earlier consumers overwrite: the first one wins
         for i, e in enumerate(eqns):
             if dev[i] is None:
                 src = next(
@@ -119,9 +120,9 @@ def _schedule(
         if indeg[i] == 0:
             heapq.heappush(ready.setdefault(dev[i], []), i)
     order: list[int] = []
-    current = None
+    current: str | None = None
     while any(ready.values()):
-        if not ready.get(current):
+        if current is None or not ready.get(current):
             current = min((h[0], d) for d, h in ready.items() if h)[1]
         i = heapq.heappop(ready[current])
         if keep[i]:

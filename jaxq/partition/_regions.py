@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxq import _compat as C
 from jaxq import _names
@@ -137,14 +137,14 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
         elif prim is compiler_end_p:
             c = eqn.params["compiler"]
             x = eqn.invars[0]
-            r = None if C.is_literal(x) else interior.get(x)
-            if r is None:
+            got = None if C.is_literal(x) else interior.get(x)
+            if got is None:
                 if not C.is_literal(x) and x in const_out:
                     kind[i] = END
                     pending_ends.append(i)
                     continue
                 _unbalanced_end(an, i, c)
-            r = an.find(r)
+            r = an.find(got)
             if an.compiler[r] != c:
                 raise AnnotationError(
                     f"mismatched annotation: compiler_end for {c!r} at {an.describe(i)} closes a "
@@ -154,17 +154,17 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
         else:
             rs: list[int] = []
             outside = None
-            consts = []
-            for v in eqn.invars:
-                if C.is_literal(v):
+            consts: list[Any] = []
+            for a in eqn.invars:
+                if C.is_literal(a):
                     continue
-                r = interior.get(v)
-                if r is not None:
-                    rs.append(an.find(r))
-                elif v in const_out:
-                    consts.append(v)
-                elif v not in constvars and outside is None:
-                    outside = v
+                got = interior.get(a)
+                if got is not None:
+                    rs.append(an.find(got))
+                elif a in const_out:
+                    consts.append(a)
+                elif a not in constvars and outside is None:
+                    outside = a
             if rs:
                 comps = {an.compiler[r] for r in rs}
                 if len(comps) > 1:
@@ -190,22 +190,22 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
         _settle_constants(an, const_eqns, interior)
     for i in pending_ends:
         x = eqns[i].invars[0]
-        r = interior.get(x)
-        if r is None:
+        got = interior.get(x)
+        if got is None:
             _unbalanced_end(an, i, eqns[i].params["compiler"])
-        region[i] = an.find(r)
+        region[i] = an.find(got)
     for i, v in const_uses:
         if v not in interior:
             _missing_begin(an, i, an.compiler[an.find(region[i])], v)
     # Values computed inside a region may leave it only through compiler_end.
     for i, eqn in enumerate(eqns):
         if kind[i] == OUTSIDE:
-            for v in eqn.invars:
-                if not C.is_literal(v) and v in interior:
-                    _escape(an, v, interior, f"{an.describe(i)}")
-    for v in jaxpr.outvars:
-        if not C.is_literal(v) and v in interior:
-            _escape(an, v, interior, "the program's outputs")
+            for a in eqn.invars:
+                if not C.is_literal(a) and a in interior:
+                    _escape(an, a, interior, f"{an.describe(i)}")
+    for a in jaxpr.outvars:
+        if not C.is_literal(a) and a in interior:
+            _escape(an, a, interior, "the program's outputs")
     return an
 
 
@@ -254,7 +254,7 @@ def _settle_constants(an: Analysis, const_eqns: list[int], interior: dict[Any, i
             interior[v] = root
 
 
-def _unbalanced_end(an: Analysis, i: int, c: str) -> None:
+def _unbalanced_end(an: Analysis, i: int, c: str) -> NoReturn:
     raise AnnotationError(
         f"unbalanced annotation: compiler_end for {c!r} at {an.describe(i)} has no "
         "matching compiler_begin (its operand is not computed inside a region).\n"
@@ -262,7 +262,7 @@ def _unbalanced_end(an: Analysis, i: int, c: str) -> None:
     )
 
 
-def _missing_begin(an: Analysis, i: int, c: str, v: Any) -> None:
+def _missing_begin(an: Analysis, i: int, c: str, v: Any) -> NoReturn:
     src = an.producer.get(v)
     what = f"the result of {an.describe(src)}" if src is not None else "an input of the program"
     raise AnnotationError(
@@ -272,7 +272,7 @@ def _missing_begin(an: Analysis, i: int, c: str, v: Any) -> None:
     )
 
 
-def _escape(an: Analysis, v: Any, interior: dict[Any, int], where: str) -> None:
+def _escape(an: Analysis, v: Any, interior: dict[Any, int], where: str) -> NoReturn:
     r = an.find(interior[v])
     c = an.compiler[r]
     src = an.producer.get(v)
