@@ -136,7 +136,8 @@ def _check_bits(site: Site) -> None:
 
 
 def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
-    """Bound |accumulator| on the host; int32 must hold both the raw and the corrected sums."""
+    """Bound every partial sum and zero-point term on the host: int32 must hold them (else a clear
+    error), and below 2**24 they are exact in f32 too."""
     qmin, qmax = a_scheme.qrange
     off = storage_offset(a_scheme)
     amax_raw = max(abs(qmin + off), abs(qmax + off))
@@ -145,26 +146,29 @@ def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
     c = qw.codes.astype(np.int64)
     raw = np.abs(c).sum(axis=axes).max() * amax_raw
     centered = np.abs(c - qw.zero_point).sum(axis=axes).max() * amax_centered
-    bound = max(int(raw), int(centered))
-    if bound < 2**31:
-        return bound
+    k = math.prod(qw.codes.shape[d] for d in axes)
+    zero_point_terms = int(np.abs(qw.zero_point).max()) * k * amax_raw  # zw sum(a), K za zw
+    bound = max(int(raw), int(centered), zero_point_terms)
     if bound >= 2**31:
-        k = math.prod(qw.codes.shape[d] for d in axes)
         raise QuantizeError(
             f"realize: the int32 accumulator of {site.name!r} could overflow (bound {bound} over "
             f"{k} products >= 2**31). Use fewer bits, or skip this layer with a Rule."
         )
+    return bound
 
 
 # ---- the integer lowerings ----------------------------------------------------------------------
 
 
-def _quantize_act(a: Any, scheme: Any, sa: Any, za: Any) -> tuple[jax.Array, Any]:
+def _quantize_act(
+    a: Any, scheme: Any, sa: Any, za: Any, dtype: Any = jnp.int8
+) -> tuple[jax.Array, Any]:
+    """Activation codes (offset into the signed range) as ``dtype``, and the zero point."""
     if isinstance(a, QTensor):  # already quantized upstream (pass-through chain)
-        return a.codes, a.zero_point
+        return a.codes.astype(dtype), a.zero_point
     off = storage_offset(scheme)
     q = codes(a, sa, za, scheme)
-    qa = (q + off if off else q).astype(jnp.int8)
+    qa = (q + off if off else q).astype(dtype)
     za_s = za + off
     return qa, (np.int32(za_s) if _host(za) else za_s.astype(jnp.int32))
 
@@ -172,23 +176,26 @@ def _quantize_act(a: Any, scheme: Any, sa: Any, za: Any) -> tuple[jax.Array, Any
 def _int_dot(
     visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
 ) -> tuple[jax.Array, Any]:
-    """int32 accumulator of ``sum((qa - za)(qw - zw))`` and the float scale of each output."""
+    """Accumulator of ``sum((qa - za)(qw - zw))`` (int32, or exact integers in f32 for one row)
+    and the float scale of each output."""
     dn = visit.params["dimension_numbers"]
     (lc, rc), (lb, rb) = dn
     wi = site.weight_index
     ai = 1 - wi
     scheme = site.activations
-    qa, za_s = _quantize_act(a, scheme, sa, za)
     wq = weight_codes(qw)
-    ranks = (qa.ndim, wq.ndim) if wi == 1 else (wq.ndim, qa.ndim)
+    a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
+    ranks = (len(a_shape), wq.ndim) if wi == 1 else (wq.ndim, len(a_shape))
     a_contract = (lc, rc)[ai]
-    a_free = [d for d in range(qa.ndim) if d not in a_contract and d not in (lb, rb)[ai]]
-    rows = math.prod(qa.shape[d] for d in (*a_free, *(lb, rb)[ai]))
+    a_free = [d for d in range(len(a_shape)) if d not in a_contract and d not in (lb, rb)[ai]]
+    rows = math.prod(a_shape[d] for d in (*a_free, *(lb, rb)[ai]))
     if rows <= FLOAT_CARRY_MAX_ROWS and exact_f32:
-        acc = _carry(
-            lambda x, y: lax.dot_general(x, y, dn, preferred_element_type=jnp.float32), qa, wq, wi
-        )
+        # exact integer sums carried in f32 (no s8 kernel for a matrix-vector product on CPU)
+        qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
+        ops = (qa, wq.astype(jnp.float32)) if wi == 1 else (wq.astype(jnp.float32), qa)
+        acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
         return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract)
+    qa, za_s = _quantize_act(a, scheme, sa, za)
     pad_rows = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
     # a 1-row s8 dot is slow on XLA:CPU; 2 rows take the fast kernel
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
@@ -197,15 +204,6 @@ def _int_dot(
     if pad_rows:
         acc = lax.slice_in_dim(acc, 0, 1, axis=0)
     return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract)
-
-
-def _carry(op: Any, qa: jax.Array, wq: jax.Array, wi: int) -> jax.Array:
-    """Run an integer dot / convolution on f32 copies of the codes. Exact: every product and
-    partial sum is an integer below 2**24 (checked on the host), so the f32 result equals the int32
-    one bit for bit; the int8 weight constant is converted on the fly."""
-    a, w = qa.astype(jnp.float32), wq.astype(jnp.float32)
-    out = op(a, w) if wi == 1 else op(w, a)
-    return out.astype(jnp.int32)
 
 
 def _dot_finish(
@@ -392,6 +390,7 @@ def realize_handler(state: QState) -> SiteHandler:
             mult = np.asarray(scale, np.float64) / np.float64(out.scale)
             m, e = F.quantize_multipliers(mult)
             zo = out.zero_point + off
+            acc = acc.astype(jnp.int32)  # exact: integer-valued (the f32-carried path)
             q = F.requantize(acc, jnp.asarray(m), jnp.asarray(e), zo, qmin + off, qmax + off)
             q = q.astype(jnp.int8)
             return ((q.astype(jnp.int32) - zo).astype(jnp.float32) * jnp.float32(out.scale)).astype(
