@@ -227,6 +227,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's goals, checked on the measured rows."""
+    out = []
+    for model in ("mlp", "cnn"):
+        r = {row["variant"]: row for row in rows if row["model"] == model}
+        w8, w4 = r["jaxq W8A8 static"], r["jaxq W4A8 static"]
+        checks = [
+            ("int8 accuracy drop <= 0.3 points", w8["acc_drop"] <= 0.3, f"{w8['acc_drop']:.2f}"),
+            (
+                "W8A8 batch 256 >= 1.5x float",
+                w8["speedup_b256"] >= 1.5,
+                f"{w8['speedup_b256']:.2f}x",
+            ),
+            (
+                "W8A8 batch 1 not slower than float",
+                w8["speedup_b1"] >= 1.0,
+                f"{w8['speedup_b1']:.2f}x",
+            ),
+            ("int8 bytes <= 26% of float", w8["bytes_ratio"] <= 0.26, f"{w8['bytes_ratio']:.3f}"),
+            ("int4 bytes <= 14% of float", w4["bytes_ratio"] <= 0.14, f"{w4['bytes_ratio']:.3f}"),
+        ]
+        out += [f"{model}: {name}: {'met' if ok else 'MISSED'} ({val})" for name, ok, val in checks]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows as JSON to this path")
@@ -239,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         "speedup over float"
     )
     print(table(rows))
+    print("\n".join(goals(rows)))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

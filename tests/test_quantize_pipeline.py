@@ -559,3 +559,11 @@ def test_every_scheme_granularity_rounding_pair():
         if signed or not sym:  # unsigned symmetric codes clip every negative value to 0
             tol = (0.6 if bits == 4 else 0.1) * np.abs(ref).max()
             assert np.abs(out_r - ref).max() < tol, label
+
+
+def test_package_is_callable_and_exports_the_passes():
+    qf = Q(mlp, config=QConfig(dynamic=True), example_args=(X,), progress=False)
+    assert isinstance(qf, Q.QuantizedFunction) and qf.mode == "realize"
+    for name in ("annotate", "calibrate", "realize", "quantize", "QConfig", "Scheme", "Rule"):
+        assert hasattr(Q, name)
+    assert isinstance(Q.annotate(), jaxq.transform.Pass)

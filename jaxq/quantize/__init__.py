@@ -1,8 +1,16 @@
 """Quantization: schemes as data, and the annotate / calibrate / realize passes.
 
-``jaxq.quantize`` is both this package and a function: ``jaxq.quantize(f, calibration=...)``
-composes the three passes (``jaxq.quantize.annotate``, ``.calibrate``, ``.realize``), which are
-usable alone on a Program.
+``jaxq.quantize`` is both this package and a function::
+
+    qf = jaxq.quantize(functools.partial(model.apply, params), calibration=[(x,) for x in batches])
+    qf(x)                 # int8 x int8 -> int32 code; jax.jit / jax.vmap work
+    print(qf.report())    # what was quantized, and how
+
+The three phases are passes, usable alone on a Program::
+
+    q = jaxq.quantize
+    pipeline = jaxq.transform.Sequential([q.annotate(cfg), q.calibrate(data), q.realize()])
+    program = pipeline(jaxq.trace(f, x))
 """
 
 import sys as _sys
