@@ -96,3 +96,14 @@ def test_dynamic_needs_no_calibration():
     row = qf.report().layers[0]
     assert row.activations.endswith("dynamic") and row.activation_scale is None
     np.testing.assert_allclose(np.asarray(qf(x)), np.asarray(layer(x)), atol=0.05)
+
+
+def test_pass_context_sets_the_method():
+    x = RNG.normal(size=(16, 8)).astype(np.float32)
+    prog = Q.annotate(QConfig())(jaxq.trace(layer, x))
+    with jaxq.transform.PassContext(config={"quantize.calibrate.method": "mse"}):
+        out = Q.calibrate([(x,)], progress=False)(prog)
+    assert get_state(out, "t").calibration["method"] == "mse"
+    assert (
+        get_state(Q.calibrate([(x,)], progress=False)(prog), "t").calibration["method"] == "minmax"
+    )

@@ -27,7 +27,7 @@ from jaxq.quantize._lower import (
     with_state,
 )
 from jaxq.quantize._observers import Observer, batch_stats
-from jaxq.transform import Pass, program_pass
+from jaxq.transform import Pass, PassContext, program_pass
 
 
 def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
@@ -193,7 +193,8 @@ def calibrate(
     the first run) through the float program, jitted, and stores activation scales per layer.
 
     ``method`` (default: the annotated QConfig's): ``"minmax"``, ``"percentile"``, ``"entropy"``
-    (KL divergence, TensorRT style) or ``"mse"``. Memory is bounded: running min/max and a
+    (KL divergence, TensorRT style) or ``"mse"``; ``PassContext(config={"quantize.calibrate.method":
+    ..., "quantize.calibrate.percentile": ...})`` sets them for a whole pipeline. Memory is bounded: running min/max and a
     fixed-size histogram per activation, never the activations themselves.
     """
     if method is not None and method not in CALIBRATIONS:
@@ -201,8 +202,13 @@ def calibrate(
 
     @program_pass(name="quantize.calibrate")
     def run(program: Program) -> Program:
+        options = PassContext.current().config
         return calibrate_program(
-            program, data, method=method, percentile=percentile, progress=progress
+            program,
+            data,
+            method=method or options.get("quantize.calibrate.method"),
+            percentile=percentile or options.get("quantize.calibrate.percentile"),
+            progress=progress,
         )
 
     return run
