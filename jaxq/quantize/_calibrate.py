@@ -113,26 +113,28 @@ def calibrate_program(
     n = 0
     for n, batch in enumerate(progress_bar(data, progress, "jaxq calibrate"), 1):
         args = batch if isinstance(batch, tuple) else (batch,)
-        try:
-            source = state.source
-            flat = source.flatten_args(args, {})
-        except TypeError as e:
-            if retrace is None:
-                raise QuantizeError(
-                    f"calibrate: calibration batch {n - 1} does not match the program's "
-                    f"arguments:\n{e}"
-                ) from e
-            try:
-                source = retrace(*args)
-            except Exception as e2:
-                raise QuantizeError(
-                    f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
-                    f"{type(e2).__name__}: {e2}"
-                ) from e2
-            flat = source.flatten_args(args, {})
-        key = tuple((np.shape(x), np.result_type(x)) for x in flat)
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
         if key not in fns:
+            try:
+                source = state.source
+                source.flatten_args(args, {})
+            except TypeError as e:
+                if retrace is None:
+                    raise QuantizeError(
+                        f"calibrate: calibration batch {n - 1} does not match the program's "
+                        f"arguments:\n{e}"
+                    ) from e
+                try:
+                    source = retrace(*args)
+                except Exception as e2:
+                    raise QuantizeError(
+                        f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
+                        f"{type(e2).__name__}: {e2}"
+                    ) from e2
             fns[key] = (source, _observer_fn(state, source, histogram))
+        source, _ = fns[key]
+        flat = source.flatten_args(args, {})
         _, fn = fns[key]
         if not observers:
             continue
