@@ -191,10 +191,13 @@ def _int_dot(
     rows = math.prod(a_shape[d] for d in (*a_free, *(lb, rb)[ai]))
     if rows <= FLOAT_CARRY_MAX_ROWS and exact_f32:
         # exact integer sums carried in f32 (no s8 kernel for a matrix-vector product on CPU)
+        # (the zero point is subtracted from the codes first: still integers, and no correction)
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
+        if not (scheme.symmetric and scheme.signed):
+            qa = qa - (za_s.astype(np.float32) if _host(za_s) else za_s.astype(jnp.float32))
         ops = (qa, wq.astype(jnp.float32)) if wi == 1 else (wq.astype(jnp.float32), qa)
         acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
-        return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract)
+        return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract, centered=True)
     qa, za_s = _quantize_act(a, scheme, sa, za)
     pad_rows = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
     # a 1-row s8 dot is slow on XLA:CPU; 2 rows take the fast kernel
@@ -216,13 +219,15 @@ def _dot_finish(
     dn: Any,
     ranks: tuple[int, int],
     a_contract: Any,
+    centered: bool = False,
 ) -> tuple[jax.Array, Any]:
+    """Zero-point terms and output scale. ``centered``: ``qa`` already had ``za`` subtracted."""
     (lc, rc), _ = dn
     wi = site.weight_index
     ai = 1 - wi
     scheme = site.activations
     w_contract = (lc, rc)[wi]
-    zp_a = not (scheme.symmetric and scheme.signed)
+    zp_a = not (scheme.symmetric and scheme.signed) and not centered
     zp_w = bool(np.any(qw.zero_point != 0))
     to_out_a = lambda v: _dot_to_out(v, ai, dn, ranks)
     to_out_w = lambda v: _dot_to_out(v, wi, dn, ranks)
@@ -233,7 +238,9 @@ def _dot_finish(
         k = math.prod(qw.codes.shape[d] for d in w_contract)
         zw = qw.zero_point
         rowsum = jnp.sum(qa.astype(jnp.int32), axis=a_contract, keepdims=True)
-        acc = acc - to_out_w(zw) * to_out_a(rowsum) + k * to_out_a(za_s) * to_out_w(zw)
+        acc = acc - to_out_w(zw) * to_out_a(rowsum)
+        if zp_a:
+            acc = acc + k * to_out_a(za_s) * to_out_w(zw)
     scale = to_out_a(sa) * to_out_w(qw.scale)
     return acc, scale
 
