@@ -2,6 +2,7 @@
 
 from jaxq import annotate as annotate
 from jaxq import partition as partition
+from jaxq import quantize as quantize  # a package you can call: jaxq.quantize(f, ...)
 from jaxq import transform as transform
 from jaxq._program import Equation as Equation
 from jaxq._program import Program as Program
@@ -14,5 +15,9 @@ from jaxq._sharding import constant_shardings as constant_shardings
 from jaxq._sharding import split_constants as split_constants
 from jaxq._taps import intermediates as intermediates
 from jaxq.partition import build as build
+from jaxq.quantize import QConfig as QConfig
+from jaxq.quantize import QuantizedFunction as QuantizedFunction
+from jaxq.quantize import Rule as Rule
+from jaxq.quantize import Scheme as Scheme
 
 __version__ = "0.1.0"
