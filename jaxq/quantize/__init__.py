@@ -27,6 +27,8 @@ from jaxq.quantize._config import Rule as Rule
 from jaxq.quantize._config import Scheme as Scheme
 from jaxq.quantize._lower import QuantizeError as QuantizeError
 from jaxq.quantize._realize import realize as realize
+from jaxq.quantize._sensitivity import SensitivityResult as SensitivityResult
+from jaxq.quantize._sensitivity import sensitivity as sensitivity
 
 
 class _CallableModule(_types.ModuleType):

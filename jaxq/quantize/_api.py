@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import math
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxq._program import Program, trace
+from jaxq._taps import intermediates
 from jaxq.quantize._annotate import annotate_program, prepare, unmatched_rules
 from jaxq.quantize._calibrate import calibrate_program
 from jaxq.quantize._config import QConfig
@@ -43,6 +48,7 @@ class LayerReport:
     activation_scale: float | None = None
     activation_zero_point: int | None = None
     rule: int | None = None
+    sqnr_db: float | None = None  # of the layer's output against float, on a sample batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +70,57 @@ class Report:
             "param_bytes": self.param_bytes,
         }
 
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The report as JSON (infinite SQNR, for exact layers, is written as null)."""
+        data = self.to_dict()
+        for row in data["layers"]:
+            if row["sqnr_db"] is not None and not math.isfinite(row["sqnr_db"]):
+                row["sqnr_db"] = None
+        text = json.dumps(data, indent=2, default=str)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def save_plot(self, path: str | os.PathLike[str]) -> Path:
+        """A PNG bar chart of per-layer SQNR, worst first (needs matplotlib: ``jaxq[plot]``)."""
+        rows = [r for r in self.layers if r.sqnr_db is not None and math.isfinite(r.sqnr_db)]
+        if not rows:
+            raise ValueError("save_plot: no SQNR in this report; call qf.report(sample=(x,))")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("save_plot needs matplotlib: pip install 'jaxq[plot]'") from e
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+        values = [r.sqnr_db for r in rows]
+        ax.barh(
+            [r.name for r in rows],
+            values,
+            color=["#c0392b" if v < 20 else "#2e86c1" for v in values],
+        )
+        ax.invert_yaxis()
+        ax.set_xlabel("SQNR of the layer output vs float (dB, higher is better)")
+        ax.set_title(f"jaxq.quantize per-layer SQNR ({self.mode})")
+        ax.tick_params(axis="y", labelsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
     def __str__(self) -> str:
-        head = ("layer", "primitive", "weights", "activations", "w scale", "a scale", "status")
+        head = (
+            "layer",
+            "primitive",
+            "weights",
+            "activations",
+            "w scale",
+            "a scale",
+            "SQNR dB",
+            "status",
+        )
         rows = []
         for r in self.layers:
             ws = (
@@ -74,6 +129,7 @@ class Report:
                 else f"{r.weight_scale[0]:.3g}..{r.weight_scale[1]:.3g}"
             )
             a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
+            sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
             rows.append(
                 (
                     r.name,
@@ -82,6 +138,7 @@ class Report:
                     r.activations or "float",
                     ws,
                     a_s,
+                    sq,
                     r.status,
                 )
             )
@@ -106,7 +163,21 @@ def param_bytes(program: Program) -> int:
     return int(sum(np.asarray(c).nbytes for c in program.jaxpr.consts if hasattr(c, "shape")))
 
 
-def make_report(program: Program) -> Report:
+def sqnr_db(reference: Any, approx: Any) -> float:
+    """``10 log10(sum(ref^2) / sum((ref - approx)^2))`` in dB; infinite when they are equal."""
+    ref = np.asarray(reference, np.float64)
+    noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(max(float(np.sum(ref**2)), 1e-300) / noise)
+
+
+def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
+    measured = sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db)
+    return measured + [r for r in rows if r.sqnr_db is None]
+
+
+def make_report(program: Program, sqnr: dict[str, float] | None = None) -> Report:
     state = get_state(program, "report")
     rows = []
     for e in state.source.equations():
@@ -144,11 +215,12 @@ def make_report(program: Program) -> Report:
                 a_scale,
                 a_zp,
                 site.rule,
+                None if sqnr is None else sqnr.get(e.name),
             )
         )
     return Report(
         mode=state.mode,
-        layers=tuple(rows),
+        layers=tuple(rows if sqnr is None else _worst_first(rows)),
         unmatched_rules=tuple(unmatched_rules(state.config, state.matched_rules)),
         calibration=dict(state.calibration),
         param_bytes=param_bytes(program),
@@ -211,8 +283,47 @@ class QuantizedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.specialize(*args, **kwargs).as_fun()(*args, **kwargs)
 
-    def report(self) -> Report:
-        return make_report(self.program)
+    def _simulated(self, *args: Any, **kwargs: Any) -> tuple[Program, Program]:
+        """(float program, fake-quantized program) at these argument shapes, sharing names."""
+        if self.mode == "simulate":
+            prog = self.specialize(*args, **kwargs)
+            return get_state(prog, "layer_sqnr").source, prog
+        source = prepare(trace(self._fun, *args, **kwargs))
+        state = self._state.replace(source=source)
+        prog, _ = lower(state, simulate_handler(state))
+        return source, prog
+
+    def layer_sqnr(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """SQNR (dB) of each quantized layer's output against float on these arguments.
+
+        Measured on the fake-quantized program, which realize matches exactly in its integer
+        results; errors of earlier layers accumulate into later ones, as a user sees them. Layers
+        inside loops or branches have no single value and are left out.
+        """
+        source, sim = self._simulated(*args, **kwargs)
+        quantized = {r.name for r in make_report(self.program).layers if r.status == "quantized"}
+        top = {e.name for e in sim.equations() if len(e.path) == 1}
+        names = [
+            e.name
+            for e in source.equations()
+            if len(e.path) == 1 and e.name in quantized and e.name in top
+        ]
+        ref = intermediates(source, names, *args, **kwargs)
+        got = intermediates(sim, names, *args, **kwargs)
+        return {n: sqnr_db(ref[n], got[n]) for n in names}
+
+    def report(self, sample: tuple[Any, ...] | None = None) -> Report:
+        """What was quantized and how; with ``sample`` (a tuple of arguments) also the SQNR of
+        every quantized layer, rows sorted worst first."""
+        if sample is None:
+            return make_report(self.program)
+        sample = sample if isinstance(sample, tuple) else (sample,)
+        return make_report(self.program, self.layer_sqnr(*sample))
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Save the quantized program at its example shapes (int8 weights as int8, int4 packed) to
+        one safetensors file; ``jaxq.load(path)`` runs it without the model code."""
+        return self.program.save(path)
 
     def __repr__(self) -> str:
         return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}>"

@@ -114,7 +114,7 @@ def calibrate_program(
     for n, batch in enumerate(progress_bar(data, progress, "jaxq calibrate"), 1):
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
         if key not in fns:
             try:
                 source = state.source
@@ -175,8 +175,10 @@ def calibrate_program(
         o = observers[k]
         if o.batches == 0:
             continue
-        lo, hi = o.value_range(method, site.activations, pct)
-        scale, zp = range_to_qparams(lo, hi, site.activations)
+        scheme = site.activations
+        assert scheme is not None  # _observed_keys keeps only sites with activation schemes
+        lo, hi = o.value_range(method, scheme, pct)
+        scale, zp = range_to_qparams(lo, hi, scheme)
         act[k] = ActParams(float(scale), int(zp))
     info = {"method": method, "batches": n, "percentile": pct if method == "percentile" else None}
     state = state.replace(act=act, calibration=info)

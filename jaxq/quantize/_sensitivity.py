@@ -19,39 +19,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxq._program import trace
-from jaxq._taps import intermediates
-from jaxq.quantize._api import QuantizedFunction, quantize
+from jaxq.quantize._api import QuantizedFunction, quantize, sqnr_db
 from jaxq.quantize._config import QConfig, Rule
-from jaxq.transform import name_expressions
-
-
-def sqnr_db(reference: Any, approx: Any) -> float:
-    """``10 log10(sum(ref^2) / sum((ref - approx)^2))``; infinite when they are equal."""
-    ref = np.asarray(reference, np.float64)
-    noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
-    signal = float(np.sum(ref**2))
-    if noise == 0.0:
-        return math.inf
-    return 10.0 * math.log10(max(signal, 1e-300) / noise)
 
 
 def layer_sqnr(
     f: Callable[..., Any], simulated: QuantizedFunction, *sample: Any
 ) -> dict[str, float]:
-    """SQNR (dB) of each quantized layer's output on ``sample``; layers inside nested jaxprs
-    (loops, branches) have no single value and are left out."""
+    """SQNR (dB) of each quantized layer's output on ``sample`` (see
+    ``QuantizedFunction.layer_sqnr``); ``f`` is accepted for symmetry with ``sensitivity``."""
+    del f
     if simulated.mode != "simulate":
         raise ValueError("layer_sqnr: needs a QuantizedFunction made with mode='simulate'")
-    names = [r.name for r in simulated.report().layers if r.status == "quantized"]
-    float_prog = name_expressions()(trace(f, *sample))
-    sim_prog = simulated.specialize(*sample)
-    top = {e.name for e in sim_prog.equations() if len(e.path) == 1}
-    top &= {e.name for e in float_prog.equations() if len(e.path) == 1}
-    names = [n for n in names if n in top]
-    ref = intermediates(float_prog, names, *sample)
-    got = intermediates(sim_prog, names, *sample)
-    return {n: sqnr_db(ref[n], got[n]) for n in names}
+    return simulated.layer_sqnr(*sample)
 
 
 @dataclasses.dataclass(frozen=True)
