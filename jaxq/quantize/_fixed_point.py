@@ -149,7 +149,7 @@ def multiply_by_quantized_multiplier(x: jax.Array, m: jax.Array, e: jax.Array) -
 
 
 def requantize(
-    acc: jax.Array, m: jax.Array, e: jax.Array, zero_point: jax.Array, qmin: int, qmax: int
+    acc: jax.Array, m: jax.Array, e: jax.Array, zero_point: jax.Array | int, qmin: int, qmax: int
 ) -> jax.Array:
     """int32 accumulator -> int32 codes in ``[qmin, qmax]`` (cast to int8 by the caller)."""
     v = multiply_by_quantized_multiplier(acc, m, e) + jnp.asarray(zero_point, jnp.int32)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ from jaxq._program import Program
 from jaxq._walk import RewriteError, Visit, rewrite
 from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
+
+if TYPE_CHECKING:
+    from jax.core import ShapedArray
 
 QUANTIZABLE = ("dot_general", "conv_general_dilated")
 ELEMENTWISE = ("add", "mul")
@@ -49,6 +52,16 @@ FOLDABLE = (
 )
 INLINE = ("jit", "pjit", "closed_call", "core_call")
 META_KEY = "quantize"
+
+
+QParam: TypeAlias = "jax.Array | np.float32"
+"""A scale or zero point: traced (dynamic) or a host float32 scalar (calibrated, folded in numpy)."""
+
+
+def shaped_aval(atom: Any) -> ShapedArray:
+    """``atom.aval`` as a ShapedArray: quantized operands are arrays, but JAX types ``Var.aval`` as
+    the base ``AbstractValue``, which has no shape or dtype."""
+    return cast("ShapedArray", atom.aval)
 
 
 class QuantizeError(ValueError):
@@ -185,7 +198,7 @@ def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.A
     return scale, zp
 
 
-def codes(x: jax.Array, scale: jax.Array, zp: jax.Array, scheme: Scheme) -> jax.Array:
+def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
     """Integer codes, as float32, computed exactly as ``simulated_quantize`` computes them."""
     qmin, qmax = scheme.qrange
     return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
@@ -220,6 +233,7 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
             wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
             n, kk = wt.shape
             g = s.group_size
+            assert g is not None  # Scheme requires group_size with granularity="group"
             blocks = wt.reshape(n, kk // g, g)
             group_scale, group_zp = range_to_qparams(blocks.min(-1), blocks.max(-1), s)
             full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
@@ -271,6 +285,7 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
         )
     # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
     wt = xp.moveaxis(w, site.channel_axis, 0)
+    assert qw.group_zero_point is not None  # quantize_weight sets it for granularity="group"
     gzp = (qw.group_zero_point - qw.offset).astype(np.float32)
     y = simulated_quantize_p.bind(
         wt, qw.group_scale, gzp, axis=1, group_size=s.group_size, **params
@@ -283,7 +298,7 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
 
 def act_qparams(
     x: jax.Array, scheme: Scheme, site: Site, params: ActParams | None
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[QParam, QParam]:
     """Static (calibrated) scale and zero point, or dynamic ones computed from ``x`` (per tensor,
     or per token with keepdims over the site's reduce axes)."""
     if params is not None:  # host constants: scale arithmetic folds in numpy
@@ -298,7 +313,7 @@ def act_qparams(
 
 
 def fake_quant_act(
-    x: jax.Array, scale: jax.Array, zp: jax.Array, scheme: Scheme, site: Site
+    x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme, site: Site
 ) -> jax.Array:
     params = dict(
         bits=scheme.bits,
@@ -319,7 +334,7 @@ def fake_quant_act(
     xt = jnp.transpose(x, perm)
     shape = tuple(x.shape[d] for d in kept)
     y = simulated_quantize_p.bind(xt, scale.reshape(shape), zp.reshape(shape), axis=None, **params)
-    return jnp.transpose(y, np.argsort(perm))
+    return jnp.transpose(y, tuple(int(d) for d in np.argsort(perm)))
 
 
 # ---- geometry -----------------------------------------------------------------------------------
@@ -327,7 +342,7 @@ def fake_quant_act(
 
 def _dot_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
     (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
-    shapes = [v.aval.shape for v in visit.eqn.invars]
+    shapes = [shaped_aval(v).shape for v in visit.eqn.invars]
     wc, wb = (lc, rc)[wi], (lb, rb)[wi]
     ac = (lc, rc)[1 - wi]
     free = [d for d in range(len(shapes[wi])) if d not in wc and d not in wb]
@@ -358,7 +373,7 @@ def _conv_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[i
 def _elementwise_geometry(
     visit: Visit, wi: int, weights: Scheme
 ) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
-    shape = visit.eqn.invars[wi].aval.shape
+    shape = shaped_aval(visit.eqn.invars[wi]).shape
     if weights.granularity == "group":
         raise QuantizeError(
             f"quantize: granularity='group' applies to matmul weights; {visit.name!r} is a "
@@ -387,7 +402,7 @@ def make_site(
     if isinstance(geo, str):
         return geo
     channel, contract, reduce = geo
-    w_aval = visit.eqn.invars[wi].aval
+    w_aval = shaped_aval(visit.eqn.invars[wi])
     if weights.granularity == "group":
         if visit.primitive != "dot_general" or len(w_aval.shape) != 2 or len(contract) != 1:
             raise QuantizeError(
@@ -569,10 +584,12 @@ class Engine:
             fold = visit.primitive in FOLDABLE
             return self.fold_rule(visit, *invals) if fold else visit.bind(*invals)
         k = passthrough_input(visit.eqn)
+        assert k is not None  # plan_chains only plans equations with a pass-through input
         x = invals[k]
         if not isinstance(x, QTensor):
             site = self.state.sites[site_name]
             scheme = site.activations
+            assert scheme is not None  # plan_chains only plans sites with activation schemes
             params = self.state.act[site_name]
             off = storage_offset(scheme)
             zp = np.float32(params.zero_point)
@@ -588,8 +605,8 @@ class Engine:
             new = list(invals)
             new[k] = x.codes
             out = visit.bind(*new)
-        q = QTensor(out, x.scale, x.zero_point)
-        return [q] if visit.eqn.primitive.multiple_results else q
+        qt = QTensor(out, x.scale, x.zero_point)
+        return [qt] if visit.eqn.primitive.multiple_results else qt
 
     def fold_rule(self, visit: Visit, *invals: Any) -> Any:
         if invals and all(is_concrete(v) for v in invals):

@@ -47,7 +47,7 @@ class Observer:
         self.hist = np.zeros(NBINS, np.int64) if histogram else None
         self.batches = 0
 
-    def radius_for(self, lo: float, hi: float) -> float | None:
+    def radius_for(self, lo: float, hi: float) -> float:
         """The radius that covers ``[lo, hi]``, growing (doubling) the current one if needed."""
         amax = max(abs(lo), abs(hi))
         if self.radius is None:
@@ -89,12 +89,24 @@ class Observer:
             a, b = self._mse(scheme)
         return max(lo, a), min(hi, b)
 
+    # The histogram methods run only once a batch has been histogrammed (``value_range`` checks
+    # ``hist.sum() > 0``), and ``update`` adds a histogram only after ``set_radius``.
+    def _hist(self) -> np.ndarray:
+        assert self.hist is not None
+        return self.hist
+
+    def _radius(self) -> float:
+        assert self.radius is not None
+        return self.radius
+
     def _edges(self) -> np.ndarray:
-        return np.linspace(-self.radius, self.radius, NBINS + 1)
+        r = self._radius()
+        return np.linspace(-r, r, NBINS + 1)
 
     def _abs_hist(self) -> np.ndarray:
         half = NBINS // 2
-        return self.hist[half:] + self.hist[:half][::-1]
+        hist = self._hist()
+        return hist[half:] + hist[:half][::-1]
 
     def _percentile(self, scheme: Scheme, p: float) -> tuple[float, float]:
         q = p / 100.0
@@ -102,9 +114,10 @@ class Observer:
             ah = self._abs_hist()
             cdf = np.cumsum(ah) / ah.sum()
             i = int(np.searchsorted(cdf, q))
-            t = (i + 1) * self.radius / (NBINS // 2)
+            t = (i + 1) * self._radius() / (NBINS // 2)
             return -t, t
-        cdf = np.cumsum(self.hist) / self.hist.sum()
+        hist = self._hist()
+        cdf = np.cumsum(hist) / hist.sum()
         edges = self._edges()
         i_lo = int(np.searchsorted(cdf, 1 - q))
         i_hi = int(np.searchsorted(cdf, q))
@@ -119,7 +132,7 @@ class Observer:
         levels = min(levels, nb)
         last = int(np.nonzero(ah)[0].max()) + 1
         if last <= levels:
-            return last * self.radius / nb
+            return last * self._radius() / nb
         best, best_i = math.inf, last
         step = max(1, (last - levels) // 256)
         for i in range(levels, last + 1, step):
@@ -138,14 +151,15 @@ class Observer:
             kl = float(np.sum(ps[mask] * np.log(ps[mask] / np.maximum(qs[mask], 1e-12))))
             if kl < best:
                 best, best_i = kl, i
-        return best_i * self.radius / nb
+        return best_i * self._radius() / nb
 
     def _mse(self, scheme: Scheme) -> tuple[float, float]:
         """The clipping range (a fraction of min/max) with the least expected squared error."""
         edges = self._edges()
         centers = (edges[:-1] + edges[1:]) / 2
-        nz = self.hist > 0
-        c, w = centers[nz], self.hist[nz].astype(np.float64)
+        hist = self._hist()
+        nz = hist > 0
+        c, w = centers[nz], hist[nz].astype(np.float64)
         qmin, qmax = scheme.qrange
         lo0, hi0 = min(self.min, 0.0), max(self.max, 0.0)
         best, best_range = math.inf, (lo0, hi0)

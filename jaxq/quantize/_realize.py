@@ -42,6 +42,7 @@ from jaxq.quantize._lower import (
     codes,
     get_state,
     lower,
+    shaped_aval,
     storage_offset,
     with_state,
 )
@@ -183,6 +184,7 @@ def _int_dot(
     wi = site.weight_index
     ai = 1 - wi
     scheme = site.activations
+    assert scheme is not None  # realize_handler lowers only sites with activation schemes
     wq = weight_codes(qw)
     a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
     ranks = (len(a_shape), wq.ndim) if wi == 1 else (wq.ndim, len(a_shape))
@@ -226,6 +228,7 @@ def _dot_finish(
     wi = site.weight_index
     ai = 1 - wi
     scheme = site.activations
+    assert scheme is not None  # realize_handler lowers only sites with activation schemes
     w_contract = (lc, rc)[wi]
     zp_a = not (scheme.symmetric and scheme.signed) and not centered
     zp_w = bool(np.any(qw.zero_point != 0))
@@ -254,7 +257,10 @@ def _int_dot_grouped(
     wi = site.weight_index
     (ka,) = (lc, rc)[1 - wi]
     scheme = site.activations
+    assert scheme is not None  # realize_handler lowers only sites with activation schemes
     g = site.weights.group_size
+    assert g is not None  # granularity="group" requires group_size
+    assert qw.group_scale is not None and qw.group_zero_point is not None  # set for groups
     qa, za_s = _quantize_act(a, scheme, sa, za)
     wq = jnp.moveaxis(weight_codes(qw), site.channel_axis, -1)  # [K, N]
     kk, n = wq.shape
@@ -294,6 +300,7 @@ def _int_conv(
     p = visit.params
     dn = p["dimension_numbers"]
     scheme = site.activations
+    assert scheme is not None  # realize_handler lowers only sites with activation schemes
     qa, za_s = _quantize_act(a, scheme, sa, za)
     wq = weight_codes(qw)
     padding, lhs_dil = p["padding"], p["lhs_dilation"]
@@ -352,6 +359,7 @@ def _int_conv(
         zw_out = per_channel(zw)
         acc = acc - zw_out * conv(qa, ones_k)
         if zp_a:
+            count: jax.Array | np.int32
             if borders:
                 count = conv(mask, ones_k)
             else:
@@ -367,7 +375,7 @@ def realize_handler(state: QState) -> SiteHandler:
     def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> Any:
         _check_bits(site)
         wi = site.weight_index
-        out_dtype = visit.eqn.outvars[0].aval.dtype
+        out_dtype = shaped_aval(visit.eqn.outvars[0]).dtype
         scheme = site.activations
         if scheme is None:  # weight-only: dequantize the stored codes at the float boundary
             w = weight_codes(qw).astype(jnp.float32)
