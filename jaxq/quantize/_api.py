@@ -84,6 +84,7 @@ class Report:
     def save_plot(self, path: str | os.PathLike[str]) -> Path:
         """A PNG bar chart of per-layer SQNR, worst first (needs matplotlib: ``jaxq[plot]``)."""
         rows = [r for r in self.layers if r.sqnr_db is not None and math.isfinite(r.sqnr_db)]
+        values = [float(r.sqnr_db) for r in rows if r.sqnr_db is not None]
         if not rows:
             raise ValueError("save_plot: no SQNR in this report; call qf.report(sample=(x,))")
         try:
@@ -94,7 +95,6 @@ class Report:
         except ImportError as e:
             raise ImportError("save_plot needs matplotlib: pip install 'jaxq[plot]'") from e
         fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
-        values = [r.sqnr_db for r in rows]
         ax.barh(
             [r.name for r in rows],
             values,
@@ -173,7 +173,9 @@ def sqnr_db(reference: Any, approx: Any) -> float:
 
 
 def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
-    measured = sorted((r for r in rows if r.sqnr_db is not None), key=lambda r: r.sqnr_db)
+    measured = sorted(
+        (r for r in rows if r.sqnr_db is not None), key=lambda r: float(r.sqnr_db or 0)
+    )
     return measured + [r for r in rows if r.sqnr_db is None]
 
 
