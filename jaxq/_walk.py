@@ -65,6 +65,18 @@ class Visit:
             outs = self._walker.default(self, list(invals), {**self.eqn.params, **param_updates})
         return outs if self.eqn.primitive.multiple_results else outs[0]
 
+    def inline(self, *invals: Any) -> Any:
+        """Evaluate this call equation's body in place (its equations become the caller's), with
+        the same rules: how a pass sees through ``jit`` boundaries, e.g. to find weights."""
+        subs = C.subjaxpr_params(self.eqn.params)
+        if len(subs) != 1 or subs[0][1] is not None:
+            raise RewriteError(f"inline: {self.name!r} ({self.primitive}) is not a call equation")
+        key, _, body = subs[0]
+        body = C.as_closed(body)
+        with C.set_name_stack(self._stack):
+            outs = self._walker.eval(body.jaxpr, body.consts, list(invals), (*self.path, key))
+        return outs if self.eqn.primitive.multiple_results else outs[0]
+
 
 Rule = Callable[..., Any]
 """``rule(visit, *invals) -> output`` (a sequence of outputs for multiple-result primitives)."""
@@ -171,6 +183,16 @@ def rewrite(
     """
     walker = _Walker(rules, program.names, program.layouts or {}, recurse, scope)
     return program.with_jaxpr(walker.retrace(program.jaxpr, ()))
+
+
+def interpret(
+    program: Program, rules: Mapping[Any, Rule], *flat_args: Any, scope: str = "rewrite"
+) -> list[Any]:
+    """Evaluate ``program`` on flat arguments through ``rules`` without re-tracing it, inside
+    whatever trace is current (e.g. in ``jax.jit`` to compute statistics). Returns flat outputs."""
+    walker = _Walker(rules, program.names, program.layouts or {}, True, scope)
+    closed = program.jaxpr
+    return walker.eval(closed.jaxpr, closed.consts, list(flat_args), ())
 
 
 def map_equations(

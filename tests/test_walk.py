@@ -130,3 +130,21 @@ def test_walker_handles_library_constructs(f):
     with T.PassContext(instruments=[T.WellFormed(), T.NumericCheck(x, rtol=0, atol=0)]):
         out = pipeline(prog)
     assert [e.primitive for e in out.equations()] == [e.primitive for e in prog.equations()]
+
+
+def test_interpret_evaluates_through_rules_inside_jit_and_visit_inline_flattens_calls():
+    prog = jaxq.trace(lambda x: jax.jit(lambda u: jnp.sin(u) * 2)(x) + 1, np.ones(3, np.float32))
+    seen = []
+
+    def record(visit, x):
+        seen.append(visit.name)
+        return jnp.cos(x)
+
+    rules = {"sin": record, "jit": lambda visit, x: visit.inline(x)}
+    out = jax.jit(lambda x: T.interpret(prog, rules, x)[0])(np.zeros(3, np.float32))
+    np.testing.assert_allclose(out, np.full(3, 3.0))  # cos(0) * 2 + 1
+    assert seen == ["jit/sin"]
+    inlined = T.rewrite(prog, {"jit": lambda visit, x: visit.inline(x)})
+    assert [e.primitive for e in inlined.equations()] == ["sin", "mul", "add"]
+    with pytest.raises(T.RewriteError, match="not a call equation"):
+        T.rewrite(prog, {"add": lambda visit, x, y: visit.inline(x, y)})

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxq._program import Program
-from jaxq._walk import RewriteError, _Walker
+from jaxq._walk import RewriteError, interpret
 from jaxq.quantize._config import CALIBRATIONS, QConfig
 from jaxq.quantize._lower import (
     ActParams,
@@ -75,9 +75,7 @@ def _observer_fn(state: QState, source: Program, histogram: bool) -> Callable[..
             return y
 
         engine = Engine(state, handle)
-        walker = _Walker(engine.rules(), source.names, source.layouts or {}, True, "quantize")
-        closed = source.jaxpr
-        walker.eval(closed.jaxpr, closed.consts, list(flat), ())
+        interpret(source, engine.rules(), *flat, scope="quantize")
         return stats
 
     return jax.jit(run)

@@ -618,15 +618,10 @@ class Engine:
         subs = C.subjaxpr_params(visit.params)
         if len(subs) != 1 or subs[0][1] is not None:
             return visit.bind(*invals)
-        key, _, body = subs[0]
-        body = C.as_closed(body)
-        path = (*visit.path, key)
+        key = subs[0][0]
         if visit.path[:-1] in self.inlined:
-            self.inlined.add(path)
-        walker = visit._walker
-        with C.set_name_stack(visit._stack):
-            outs = walker.eval(body.jaxpr, body.consts, list(invals), path)
-        return outs if visit.eqn.primitive.multiple_results else outs[0]
+            self.inlined.add((*visit.path, key))
+        return visit.inline(*invals)
 
     def site_rule(self, visit: Visit, *invals: Any) -> Any:
         config = self.state.config

@@ -2,6 +2,7 @@
 
 from jaxq._walk import RewriteError as RewriteError
 from jaxq._walk import Visit as Visit
+from jaxq._walk import interpret as interpret
 from jaxq._walk import map_equations as map_equations
 from jaxq._walk import rewrite as rewrite
 from jaxq.transform._basic import identity as identity
