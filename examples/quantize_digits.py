@@ -52,32 +52,48 @@ def main(argv: list[str] | None = None) -> None:
     params = digits.train(args.model, data, steps=args.steps)
     apply = digits.MODELS[args.model][1]
     f = functools.partial(apply, params)
-    print(f"trained {args.model.upper()} on {len(data.x_train)} digits in "
-          f"{time.perf_counter() - t0:.1f}s")
+    print(
+        f"trained {args.model.upper()} on {len(data.x_train)} digits in "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
 
     calibration = [(data.x_train[i : i + 128],) for i in range(0, 512, 128)]
     t0 = time.perf_counter()
     qf = jaxq.quantize(f, calibration=calibration, config=jaxq.QConfig(), progress=False)
-    print(f"quantized (annotate + calibrate on {len(calibration)} batches + realize) in "
-          f"{time.perf_counter() - t0:.1f}s\n")
+    print(
+        f"quantized (annotate + calibrate on {len(calibration)} batches + realize) in "
+        f"{time.perf_counter() - t0:.1f}s\n"
+    )
 
     f_jit, q_jit = jax.jit(f), jax.jit(qf)
     acc_f = digits.accuracy(f_jit, data.x_test, data.y_test)
     acc_q = digits.accuracy(q_jit, data.x_test, data.y_test)
     b1, b256 = data.x_test[:1], np.concatenate([data.x_test] * 2)[:256]
     rows = [
-        ("float32", acc_f, median_ms(f_jit, b1, 300), median_ms(f_jit, b256, 50),
-         sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))),
-        ("jaxq W8A8", acc_q, median_ms(q_jit, b1, 300), median_ms(q_jit, b256, 50),
-         qf.report().param_bytes),
+        (
+            "float32",
+            acc_f,
+            median_ms(f_jit, b1, 300),
+            median_ms(f_jit, b256, 50),
+            sum(np.asarray(p).nbytes for p in jax.tree.leaves(params)),
+        ),
+        (
+            "jaxq W8A8",
+            acc_q,
+            median_ms(q_jit, b1, 300),
+            median_ms(q_jit, b256, 50),
+            qf.report().param_bytes,
+        ),
     ]
     print(f"{'model':<12}{'accuracy':>10}{'batch 1 ms':>12}{'batch 256 ms':>14}{'param bytes':>13}")
     for name, acc, l1, l256, nbytes in rows:
         print(f"{name:<12}{acc:>10.4f}{l1:>12.3f}{l256:>14.3f}{nbytes:>13,}")
     drop = 100 * (acc_f - acc_q)
-    print(f"\naccuracy drop {drop:+.2f} points; int8 params are {100 * rows[1][4] / rows[0][4]:.1f}% "
-          f"of float; batch-256 speed-up {rows[0][3] / rows[1][3]:.2f}x, batch-1 "
-          f"{rows[0][2] / rows[1][2]:.2f}x")
+    print(
+        f"\naccuracy drop {drop:+.2f} points; int8 params are {100 * rows[1][4] / rows[0][4]:.1f}% "
+        f"of float; batch-256 speed-up {rows[0][3] / rows[1][3]:.2f}x, batch-1 "
+        f"{rows[0][2] / rows[1][2]:.2f}x"
+    )
     report = qf.report(sample=(data.x_test[:128],))
     print("\nper-layer report (SQNR of each layer's output vs float on 128 test images):")
     print(report)
@@ -95,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     same = np.array_equal(np.asarray(loaded(b128)), np.asarray(jax.jit(qf.program.as_fun())(b128)))
     float_file = jaxq.trace(f, b128).save(out / f"digits_{args.model}_float.jaxq")
     ratio = path.stat().st_size / float_file.stat().st_size
-    print(f"saved {path} ({path.stat().st_size:,} bytes, {100 * ratio:.1f}% of the float file); "
-          f"loaded without the model code, same outputs: {same}")
+    print(
+        f"saved {path} ({path.stat().st_size:,} bytes, {100 * ratio:.1f}% of the float file); "
+        f"loaded without the model code, same outputs: {same}"
+    )
 
 
 if __name__ == "__main__":
