@@ -2,8 +2,8 @@
 
 The file is a safetensors file (no pickle): the program's constants (weights, stored in their own
 dtypes, so int8 stays int8 and packed int4 stays packed) are its tensors, and its header metadata
-holds a manifest and the program itself as serialized StableHLO from ``jax.export``, with the
-constants as explicit parameters. A SHA-256 over everything guards against corrupted files, and a
+holds a manifest and the program itself as serialized StableHLO from ``jax.export`` (zlib-compressed),
+with the constants as explicit parameters. A SHA-256 over everything guards against corrupted files, and a
 format version against files from another jaxq. Saving writes a temporary file and renames it over
 the target, so an existing file is never left half-written.
 """
@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from jaxq import _compat as C
 from jaxq._program import Program
 
 FORMAT = "jaxq.program"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the exported program is zlib-compressed
 
 
 class LoadError(Exception):
@@ -99,7 +100,7 @@ def save(program: Program, path: str | os.PathLike[str]) -> Path:
     }
     metadata = {
         "jaxq.manifest": json.dumps(manifest),
-        "jaxq.exported": base64.b64encode(exported).decode(),
+        "jaxq.exported": base64.b64encode(zlib.compress(exported, 9)).decode(),
         "jaxq.sha256": _digest(exported, tensors, manifest),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
         raise LoadError(f"jaxq.load: {path} is a safetensors file but not a saved jaxq program")
     try:
         manifest = json.loads(metadata["jaxq.manifest"])
-        exported_bytes = base64.b64decode(metadata["jaxq.exported"], validate=True)
+        exported_bytes = zlib.decompress(base64.b64decode(metadata["jaxq.exported"], validate=True))
     except Exception as e:
         raise LoadError(f"jaxq.load: the header of {path} is corrupted ({e})") from e
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:

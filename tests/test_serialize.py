@@ -123,3 +123,27 @@ def test_other_format_version_is_refused(tmp_path):
     _rewrite(path, **{"jaxq.manifest": json.dumps(manifest)})
     with pytest.raises(jaxq.LoadError, match=r"version 99 \(written by jaxq 9.9.9\).*Re-save"):
         jaxq.load(path)
+
+
+def test_partitioned_program_exports_and_saves(tmp_path):
+    from jaxq import partition as P
+    from jaxq import transform as T
+
+    P.register_op_support("ser_test", "dot_general")
+    P.register_op_support("ser_test", "tanh")
+    try:
+        w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+        f = lambda x: jnp.tanh(x @ w) * 2
+        x = np.ones((2, 3), np.float32)
+        pipeline = T.Sequential(
+            [P.annotate_target(["ser_test"]), P.merge_compiler_regions(), P.partition_graph()]
+        )
+        parts = pipeline(jaxq.trace(f, x))
+        assert [r.compiler for r in P.regions(parts)] == ["ser_test"]
+        want = jax.jit(parts.as_fun())(x)
+        exported = jax.export.export(jax.jit(parts.as_fun()))(x)
+        back = jax.export.deserialize(exported.serialize())
+        np.testing.assert_array_equal(back.call(x), want)
+        np.testing.assert_array_equal(jaxq.load(parts.save(tmp_path / "p.jaxq"))(x), want)
+    finally:
+        P.unregister_compiler("ser_test")
