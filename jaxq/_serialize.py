@@ -2,15 +2,14 @@
 
 The file is a safetensors file (no pickle): the program's constants (weights, stored in their own
 dtypes, so int8 stays int8 and packed int4 stays packed) are its tensors, and its header metadata
-holds a manifest and the program itself as serialized StableHLO from ``jax.export`` (zlib-compressed),
-with the constants as explicit parameters. A SHA-256 over everything guards against corrupted files, and a
+holds a manifest; the program itself, serialized StableHLO from ``jax.export`` with the constants as
+explicit parameters, is one more (zlib-compressed, uint8) tensor. A SHA-256 over everything guards against corrupted files, and a
 format version against files from another jaxq. Saving writes a temporary file and renames it over
 the target, so an existing file is never left half-written.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -27,7 +26,8 @@ from jaxq import _compat as C
 from jaxq._program import Program
 
 FORMAT = "jaxq.program"
-FORMAT_VERSION = 2  # 2: the exported program is zlib-compressed
+FORMAT_VERSION = 2  # 2: the exported program is a zlib-compressed uint8 tensor
+_PROGRAM = "jaxq.program"
 
 
 class LoadError(Exception):
@@ -98,10 +98,11 @@ def save(program: Program, path: str | os.PathLike[str]) -> Path:
         "in_paths": list(program.in_paths),
         "const_dtypes": dtypes,
     }
+    digest = _digest(exported, tensors, manifest)
+    tensors[_PROGRAM] = np.frombuffer(zlib.compress(exported, 9), np.uint8)
     metadata = {
         "jaxq.manifest": json.dumps(manifest),
-        "jaxq.exported": base64.b64encode(zlib.compress(exported, 9)).decode(),
-        "jaxq.sha256": _digest(exported, tensors, manifest),
+        "jaxq.sha256": digest,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -160,7 +161,6 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
         raise LoadError(f"jaxq.load: {path} is a safetensors file but not a saved jaxq program")
     try:
         manifest = json.loads(metadata["jaxq.manifest"])
-        exported_bytes = zlib.decompress(base64.b64decode(metadata["jaxq.exported"], validate=True))
     except Exception as e:
         raise LoadError(f"jaxq.load: the header of {path} is corrupted ({e})") from e
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
@@ -170,6 +170,10 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
             f"this jaxq reads {FORMAT!r} version {FORMAT_VERSION}. Re-save the model with this "
             "jaxq version."
         )
+    try:
+        exported_bytes = zlib.decompress(tensors.pop(_PROGRAM).tobytes())
+    except Exception as e:
+        raise LoadError(f"jaxq.load: the program stored in {path} is corrupted ({e})") from e
     if _digest(exported_bytes, tensors, manifest) != metadata.get("jaxq.sha256"):
         raise LoadError(f"jaxq.load: {path} is corrupted: its checksum does not match its contents")
     consts = []
