@@ -23,15 +23,11 @@ class TraceError(Exception):
     """``jaxq.trace`` could not turn a function into a jaxpr."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Equation:
-    """One equation of a Program, as yielded by :meth:`Program.equations`."""
+class EquationView:
+    """What every view of one equation offers (the records of ``equations()``, a rule's visit)."""
 
-    name: str
+    __slots__ = ()
     eqn: C.JaxprEqn
-    path: tuple[Any, ...]
-    in_layouts: tuple[str | None, ...]
-    out_layouts: tuple[str | None, ...]
 
     @property
     def primitive(self) -> str:
@@ -48,6 +44,17 @@ class Equation:
     @property
     def out_avals(self) -> tuple[Any, ...]:
         return tuple(v.aval for v in self.eqn.outvars)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Equation(EquationView):
+    """One equation of a Program, as yielded by :meth:`Program.equations`."""
+
+    name: str
+    eqn: C.JaxprEqn
+    path: tuple[Any, ...]
+    in_layouts: tuple[str | None, ...]
+    out_layouts: tuple[str | None, ...]
 
     def __repr__(self) -> str:
         return f"Equation({self.name!r}, {self.primitive})"

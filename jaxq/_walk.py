@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxq import _compat as C
 from jaxq import _names
-
-if TYPE_CHECKING:
-    from jaxq._program import Program
+from jaxq._program import EquationView, Program
 
 Path = tuple[Any, ...]
 
@@ -31,7 +29,7 @@ class RewriteError(Exception):
     """A rule failed; the message names the equation it failed on."""
 
 
-class Visit:
+class Visit(EquationView):
     """What a rule sees: one equation of the program being rewritten."""
 
     __slots__ = ("eqn", "name", "path", "_walker", "_stack")
@@ -39,14 +37,6 @@ class Visit:
     def __init__(self, eqn: C.JaxprEqn, name: str, path: Path, walker: _Walker) -> None:
         self.eqn, self.name, self.path, self._walker = eqn, name, path, walker
         self._stack: Any = None
-
-    @property
-    def primitive(self) -> str:
-        return self.eqn.primitive.name
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return self.eqn.params
 
     @property
     def in_layouts(self) -> tuple[str | None, ...]:
