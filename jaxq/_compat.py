@@ -117,10 +117,6 @@ def remat_bind(params: dict[str, Any], inner: ClosedJaxpr, invals: list[Any]) ->
     return list(fun(*invals))
 
 
-def close(jaxpr: Jaxpr) -> ClosedJaxpr:
-    return ClosedJaxpr(jaxpr, [])
-
-
 def subjaxpr_params(params: dict[str, Any]) -> list[tuple[str, int | None, Any]]:
     """``(key, index, jaxpr)`` for every nested jaxpr in ``params`` (index set for tuples of jaxprs,
     including namedtuples such as custom_linear_solve's, whose empty slots are None)."""
@@ -150,13 +146,6 @@ def replace_param(params: dict[str, Any], key: str, index: int | None, new: Any)
 
 def as_closed(j: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
     return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, [])
-
-
-def make_jaxpr_eqn(
-    invars: list[Any], outvars: list[Any], prim: Primitive, params: dict[str, Any], like: JaxprEqn
-) -> JaxprEqn:
-    """A new equation carrying ``like``'s effects, source info and context."""
-    return new_jaxpr_eqn(invars, outvars, prim, params, like.effects, like.source_info, like.ctx)
 
 
 def new_var(aval: Any) -> Var:
@@ -241,7 +230,5 @@ def make_jaxpr(
 
 
 def is_tracer(x: Any) -> bool:
-    """Whether ``x`` is a tracer (we are inside jit, vmap, grad...)."""
-    from jax._src import core as _core
-
-    return isinstance(x, _core.Tracer)
+    """Whether ``x`` is a tracer (we are inside jit, vmap, grad...): its value is not known."""
+    return isinstance(x, jax.core.Tracer)

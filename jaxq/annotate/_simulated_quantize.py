@@ -19,6 +19,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.typing import ArrayLike
 
+from jaxq._compat import is_tracer
+
 Kind = Literal["input", "weight", "activation"]
 Rounding = Literal["nearest_even", "half_away_from_zero", "half_up", "floor"]
 Ste = Literal["identity", "clipped"]
@@ -155,7 +157,7 @@ ad.primitive_jvps[simulated_quantize_p] = _jvp
 
 
 def _is_concrete(v: ArrayLike) -> bool:
-    return not isinstance(v, jax.core.Tracer)
+    return not is_tracer(v)
 
 
 def _check_param(

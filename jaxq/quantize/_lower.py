@@ -436,7 +436,7 @@ def make_site(
 
 
 def is_concrete(v: Any) -> bool:
-    return not isinstance(v, jax.core.Tracer)
+    return not C.is_tracer(v)
 
 
 # ---- integer pass-through ---------------------------------------------------------------------
