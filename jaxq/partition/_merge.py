@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq.partition._regions import BEGIN, END, NodeGraph, analyze, node_graph
+from jaxq.partition._regions import BEGIN, END, NodeGraph, analyze, find_root, node_graph
 from jaxq.transform import Pass, program_pass
 
 
@@ -53,12 +53,7 @@ def _merge_groups(compiler: list[str], graph: NodeGraph) -> Callable[[int], int]
     group = list(range(base))
 
     def find(r: int) -> int:
-        root = r
-        while group[root] != root:
-            root = group[root]
-        while group[r] != root:
-            group[r], r = root, group[r]
-        return root
+        return find_root(group, r)
 
     left = list(graph.num_children)  # unvisited child edges, per group root / outside node
     empty: frozenset[int] = frozenset()

@@ -40,6 +40,16 @@ class Region:
     eqns: list[int]
 
 
+def find_root(parent: list[int], r: int) -> int:
+    """Union-find lookup with path compression over a parent list."""
+    root = r
+    while parent[root] != root:
+        root = parent[root]
+    while parent[r] != root:
+        parent[r], r = root, parent[r]
+    return root
+
+
 class Analysis:
     """The result of :func:`analyze`: per-equation kind and region, and the regions in order."""
 
@@ -61,13 +71,7 @@ class Analysis:
         return len(self._parent) - 1
 
     def find(self, r: int) -> int:
-        parent = self._parent
-        root = r
-        while parent[root] != root:
-            root = parent[root]
-        while parent[r] != root:
-            parent[r], r = root, parent[r]
-        return root
+        return find_root(self._parent, r)
 
     def union(self, a: int, b: int) -> int:
         a, b = self.find(a), self.find(b)

@@ -258,17 +258,22 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
     return out
 
 
+def _sq_params(scheme: Scheme, kind: str) -> dict[str, Any]:
+    """The static params of ``simulated_quantize_p`` for a scheme (axis and groups aside)."""
+    return dict(
+        bits=scheme.bits,
+        signed=scheme.signed,
+        kind=kind,
+        rounding=scheme.rounding,
+        narrow_range=scheme.narrow_range,
+        ste="identity",
+    )
+
+
 def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
     """``simulated_quantize(w, kind="weight")`` with the weight's precomputed scales."""
     s = site.weights
-    params = dict(
-        bits=s.bits,
-        signed=s.signed,
-        kind="weight",
-        rounding=s.rounding,
-        narrow_range=s.narrow_range,
-        ste="identity",
-    )
+    params = _sq_params(s, "weight")
     # A known weight stays a numpy array, so the simulated value is computed the same way (numpy
     # arithmetic) when the program runs eagerly and when realize reads the codes back.
     xp = np if is_concrete(w) else jnp
@@ -315,15 +320,7 @@ def act_qparams(
 def fake_quant_act(
     x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme, site: Site
 ) -> jax.Array:
-    params = dict(
-        bits=scheme.bits,
-        signed=scheme.signed,
-        kind="activation",
-        rounding=scheme.rounding,
-        narrow_range=scheme.narrow_range,
-        ste="identity",
-        group_size=None,
-    )
+    params = dict(_sq_params(scheme, "activation"), group_size=None)
     if np.ndim(scale) == 0:
         return simulated_quantize_p.bind(
             x, jnp.asarray(scale), jnp.asarray(zp), axis=None, **params
