@@ -211,7 +211,7 @@ def make_report(program: Program, sqnr: dict[str, float] | None = None) -> Repor
                 e.name,
                 e.primitive,
                 status,
-                site.weights.short(),
+                site.weights.short() + (f" {qw.method}" if qw and qw.method != "minmax" else ""),
                 acts,
                 wscale,
                 a_scale,
@@ -400,7 +400,13 @@ def quantize(
                 "quantize: the calibration data is empty; pass at least one tuple of arguments"
             ) from None
         batches = itertools.chain([first], it)
-    needs_data = config.activations is not None and not config.dynamic
+    gptq = config.weight_calibration == "gptq"
+    needs_data = (config.activations is not None and not config.dynamic) or gptq
+    if batches is None and gptq:
+        raise QuantizeError(
+            "quantize: weight_calibration='gptq' chooses weight codes from calibration data.\n"
+            "Pass calibration=[(x1,), (x2,), ...], or use weight_calibration='minmax' or 'mse'."
+        )
     if batches is None and needs_data:
         raise QuantizeError(
             "quantize: static activation scales need calibration data.\n"

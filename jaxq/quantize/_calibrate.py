@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxq._program import Program
 from jaxq._walk import RewriteError, interpret
@@ -20,6 +22,7 @@ from jaxq.quantize._lower import (
     QWeight,
     Site,
     get_state,
+    gptq_input_axis,
     lower,
     raise_cause,
     range_to_qparams,
@@ -58,14 +61,25 @@ def _observed_keys(state: QState) -> list[tuple[str, Site]]:
     return keys
 
 
-def _observer_fn(state: QState, source: Program, histogram: bool) -> Callable[..., Any]:
-    """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program."""
+def _gram(a: jax.Array, axis: int) -> jax.Array:
+    """``X^T X`` of an activation, rows = every position, columns = the contracted ``axis``."""
+    x = jnp.moveaxis(a.astype(jnp.float32), axis, -1)
+    x = x.reshape(-1, x.shape[-1])
+    return jnp.dot(x.T, x, precision=lax.Precision.HIGHEST)
+
+
+def _observer_fn(state: QState, source: Program, histogram: bool, gptq: bool) -> Callable[..., Any]:
+    """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program; with ``gptq``,
+    also each eligible layer's ``X^T X`` under ``name + ":gram"``."""
 
     def run(radii: dict[str, Any], *flat: Any) -> dict[str, Any]:
         stats: dict[str, Any] = {}
 
         def handle(visit: Any, site: Site, qw: QWeight, invals: list[Any]) -> Any:
             y = visit.bind(*invals)
+            axis = gptq_input_axis(visit, site) if gptq and not site.in_loop else None
+            if axis is not None:
+                stats[site.name + ":gram"] = _gram(invals[1 - site.weight_index], axis)
             if not site.in_loop and site.activations is not None:
                 a = invals[1 - site.weight_index]
                 stats[site.name] = batch_stats(a, radii.get(site.name))
@@ -105,6 +119,8 @@ def calibrate_program(
             f"calibrate: data must be an iterable of argument tuples; got {type(data).__name__}"
         )
     histogram = method != "minmax"
+    gptq = config.weight_calibration == "gptq"
+    grams: dict[str, np.ndarray] = {}
     keys = _observed_keys(state)
     observers = {k: Observer(k, histogram) for k, _ in keys}
     fns: dict[Any, tuple[Program, Callable[..., Any]]] = {}
@@ -130,11 +146,11 @@ def calibrate_program(
                         f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
                         f"{type(e2).__name__}: {e2}"
                     ) from e2
-            fns[key] = (source, _observer_fn(state, source, histogram))
+            fns[key] = (source, _observer_fn(state, source, histogram, gptq))
         source, _ = fns[key]
         flat = source.flatten_args(args, {})
         _, fn = fns[key]
-        if not observers:
+        if not observers and not gptq:
             continue
         radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
         try:
@@ -143,6 +159,15 @@ def calibrate_program(
             raise_cause(e)
             raise
         stats = jax.device_get(stats)
+        for k in [k for k in stats if k.endswith(":gram")]:
+            g = np.asarray(stats.pop(k), np.float64)
+            if not np.all(np.isfinite(g)):
+                raise QuantizeError(
+                    f"calibrate: NaN or Inf in the input of layer {k.removesuffix(':gram')!r} "
+                    f"(calibration batch {n - 1}); clean the calibration data"
+                )
+            name = k.removesuffix(":gram")
+            grams[name] = grams[name] + g if name in grams else g
         for k, s in stats.items():
             if int(s["nonfinite"]):
                 layer = k.removesuffix(":out")
@@ -162,6 +187,7 @@ def calibrate_program(
             if grown or not radii:
                 radii = {k: np.float32(o.radius) for k, o in observers.items()}
                 stats = jax.device_get(fn(radii, *flat))
+                stats = {k: v for k, v in stats.items() if not k.endswith(":gram")}
         for k, s in stats.items():
             observers[k].update(s)
     if n == 0:
@@ -178,10 +204,17 @@ def calibrate_program(
         lo, hi = o.value_range(method, scheme, pct)
         scale, zp = range_to_qparams(lo, hi, scheme)
         act[k] = ActParams(float(scale), int(zp))
-    info = {"method": method, "batches": n, "percentile": pct if method == "percentile" else None}
+    info: dict[str, Any] = {
+        "method": method,
+        "batches": n,
+        "percentile": pct if method == "percentile" else None,
+    }
+    if gptq:
+        info["weights"] = "gptq"
+        info["gptq_layers"] = len(grams)
     state = state.replace(act=act, calibration=info)
-    out, _ = lower(state, simulate_handler(state))
-    return with_state(out, state.replace(mode="simulate"))
+    out, engine = lower(state, simulate_handler(state), grams=grams)
+    return with_state(out, state.replace(mode="simulate", weights=engine.weights))
 
 
 def calibrate(

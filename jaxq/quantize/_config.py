@@ -11,6 +11,7 @@ from jaxq.annotate._simulated_quantize import ROUNDINGS
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token")
 CALIBRATIONS: tuple[str, ...] = ("minmax", "percentile", "entropy", "mse")
 REQUANTIZE: tuple[str, ...] = ("float", "fixed_point")
+WEIGHT_CALIBRATIONS: tuple[str, ...] = ("minmax", "mse", "gptq")
 INHERIT: Any = ...
 """``Rule(weights=...)``: the rule keeps the QConfig's scheme for that side."""
 
@@ -165,6 +166,12 @@ class QConfig:
         (integer-only multiplier and rounding shift to an int8 output, gemmlowp style).
       rules: per-layer ``Rule`` overrides, first match wins.
       dynamic: compute activation scales at run time (per tensor, or per token where asked).
+      weight_calibration: how weight codes are chosen. ``"minmax"``: scales cover each
+        channel's (group's) range, codes round to nearest. ``"mse"``: each channel's range is
+        clipped to the ratio that minimises the weight's squared error (helps 4-bit).
+        ``"gptq"``: minmax scales, codes chosen by GPTQ to minimise the layer's output error on
+        the calibration data (matmuls with one contracted axis; other layers use minmax).
+      gptq_damp: for ``"gptq"``, the share of the mean diagonal added to ``X^T X``.
     """
 
     weights: Scheme = Scheme(granularity="channel", narrow_range=True)
@@ -174,6 +181,8 @@ class QConfig:
     requantize: str = "float"
     rules: tuple[Rule, ...] = ()
     dynamic: bool = False
+    weight_calibration: str = "minmax"
+    gptq_damp: float = 0.1
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, Scheme):
@@ -201,6 +210,15 @@ class QConfig:
         object.__setattr__(self, "rules", tuple(self.rules))
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"QConfig: dynamic must be a bool; got {self.dynamic!r}")
+        if self.weight_calibration not in WEIGHT_CALIBRATIONS:
+            raise ValueError(
+                f"QConfig: weight_calibration must be one of {WEIGHT_CALIBRATIONS}; got "
+                f"{self.weight_calibration!r}"
+            )
+        if isinstance(self.gptq_damp, bool) or not isinstance(self.gptq_damp, (int, float)):
+            raise TypeError(f"QConfig: gptq_damp must be a number; got {self.gptq_damp!r}")
+        if not 0 < self.gptq_damp <= 10:
+            raise ValueError(f"QConfig: gptq_damp must be in (0, 10]; got {self.gptq_damp}")
         if self.requantize == "fixed_point" and (self.activations is None or self.dynamic):
             raise ValueError(
                 "QConfig: requantize='fixed_point' needs static activation scales (an int8 output "

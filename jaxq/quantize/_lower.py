@@ -29,6 +29,7 @@ from jaxq._program import Program
 from jaxq._walk import RewriteError, Visit, rewrite
 from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
+from jaxq.quantize._gptq import gptq_codes
 
 if TYPE_CHECKING:
     from jax.core import ShapedArray
@@ -99,6 +100,7 @@ class QWeight:
     bits: int
     group_scale: np.ndarray | None = None  # [channels, groups] for granularity="group"
     group_zero_point: np.ndarray | None = None
+    method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -212,30 +214,68 @@ def storage_offset(scheme: Scheme) -> int:
 # ---- weights ----------------------------------------------------------------------------------
 
 
-def quantize_weight(w: Any, site: Site) -> QWeight:
-    """Quantize a weight once, with ``simulated_quantize``'s arithmetic (eagerly)."""
+MSE_RATIOS = tuple(1.0 - 0.02 * i for i in range(26))
+"""Clipping ratios of a weight's range tried by ``weight_calibration="mse"`` (1.0 down to 0.5)."""
+
+
+def _weight_ranges(
+    wf: jax.Array, axes: tuple[int, ...], s: Scheme, method: str
+) -> tuple[jax.Array, jax.Array]:
+    """``(lo, hi)`` of each block (``axes`` reduced, keepdims), clipped to the ratio with the
+    least squared error when ``method="mse"``."""
+    lo, hi = jnp.min(wf, axes, keepdims=True), jnp.max(wf, axes, keepdims=True)
+    if method != "mse":
+        return lo, hi
+    qmin, qmax = s.qrange
+
+    def error(r: float) -> jax.Array:
+        scale, zp = range_to_qparams(lo * r, hi * r, s)
+        q = jnp.clip(jnp.round(wf / scale) + zp, qmin, qmax)
+        return jnp.sum(jnp.square((q - zp) * scale - wf), axes, keepdims=True)
+
+    best_err, best_r = error(1.0), jnp.ones_like(lo)
+    for r in MSE_RATIOS[1:]:
+        err = error(r)
+        best_r = jnp.where(err < best_err, r, best_r)
+        best_err = jnp.minimum(err, best_err)
+    return lo * best_r, hi * best_r
+
+
+def quantize_weight(
+    w: Any,
+    site: Site,
+    method: str = "minmax",
+    gram: np.ndarray | None = None,
+    damp: float = 0.1,
+) -> QWeight:
+    """Quantize a weight once, with ``simulated_quantize``'s arithmetic (eagerly). ``method``:
+    how scales and codes are chosen (``QConfig.weight_calibration``); ``"gptq"`` needs ``gram``,
+    the second moment of the activation over the contracted axis (else minmax)."""
     s = site.weights
     with jax.ensure_compile_time_eval():
         wf = jnp.asarray(w, jnp.float32)
         if not bool(jnp.all(jnp.isfinite(wf))):
             raise QuantizeError(f"quantize: weight of {site.name!r} holds NaN or Inf")
         group_scale = group_zp = None
-        if s.granularity == "tensor":
-            scale, zp = range_to_qparams(jnp.min(wf), jnp.max(wf), s)
-            full_scale, full_zp = scale, zp
-        elif s.granularity == "channel":
-            axes = tuple(d for d in range(wf.ndim) if d != site.channel_axis)
-            scale, zp = range_to_qparams(
-                jnp.min(wf, axes, keepdims=True), jnp.max(wf, axes, keepdims=True), s
-            )
+        if s.granularity in ("tensor", "channel"):
+            wc = jnp.moveaxis(wf, site.channel_axis, -1).reshape(-1, wf.shape[site.channel_axis])
+            axes = (0, 1) if s.granularity == "tensor" else (0,)
+            lo, hi = _weight_ranges(wc, axes, s, method)
+            scale, zp = range_to_qparams(lo, hi, s)
+            if s.granularity == "channel":  # [1, N] -> broadcastable to the weight
+                shape = [1] * wf.ndim
+                shape[site.channel_axis] = -1
+                scale, zp = scale.reshape(shape), zp.reshape(shape)
+            else:
+                scale, zp = scale.reshape(()), zp.reshape(())
             full_scale, full_zp = scale, zp
         else:  # group: a 2-D weight, groups along the contracted axis, per channel
             wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
             n, kk = wt.shape
             g = s.group_size
             assert g is not None  # Scheme requires group_size with granularity="group"
-            blocks = wt.reshape(n, kk // g, g)
-            group_scale, group_zp = range_to_qparams(blocks.min(-1), blocks.max(-1), s)
+            lo, hi = _weight_ranges(wt.reshape(n, kk // g, g), (2,), s, method)
+            group_scale, group_zp = range_to_qparams(lo[..., 0], hi[..., 0], s)
             full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
             full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
         off = storage_offset(s)
@@ -247,15 +287,31 @@ def quantize_weight(w: Any, site: Site) -> QWeight:
             bits=s.bits,
             group_scale=None if group_scale is None else np.asarray(group_scale, np.float32),
             group_zero_point=None if group_zp is None else np.asarray(group_zp + off, np.int32),
+            method="mse" if method == "mse" else "minmax",
         )
+        if method == "gptq" and gram is not None:
+            (k_axis,) = site.contract_axes
+            perm = [k_axis] + [d for d in range(wf.ndim) if d != k_axis]
+            to_2d = lambda v: np.transpose(
+                np.broadcast_to(np.asarray(v, np.float64), wf.shape), perm
+            ).reshape(wf.shape[k_axis], -1)
+            q = gptq_codes(to_2d(wf), to_2d(scales.scale), to_2d(full_zp), s.qrange, gram, damp)
+            q = np.transpose(q.reshape([wf.shape[d] for d in perm]), np.argsort(perm))
+            return dataclasses.replace(scales, codes=(q + off).astype(np.int8), method="gptq")
         # The codes are read back from the simulated value itself: XLA:CPU's f32 divide is not
         # correctly rounded, so recomputing round(w / s) elsewhere could differ by one code.
         # Both the simulated program (whose constants are numpy arrays) and this call divide in
         # numpy, because the weight is handed over as a numpy array.
         fq = np.asarray(fake_quant_weight(np.asarray(wf), scales, site), np.float64)
         q = np.rint(fq / scales.scale) + (scales.zero_point - off)
-    out = dataclasses.replace(scales, codes=(q + off).astype(np.int8))
-    return out
+    return dataclasses.replace(scales, codes=(q + off).astype(np.int8))
+
+
+def dequantized_weight(qw: QWeight, dtype: Any) -> np.ndarray:
+    """``(codes - zero_point) * scale`` in float32, as ``simulated_quantize`` computes it: for
+    codes not chosen by rounding (GPTQ), the float weight the simulated program uses instead."""
+    w = (qw.codes.astype(np.float32) - qw.zero_point.astype(np.float32)) * qw.scale
+    return w.astype(dtype)
 
 
 def _sq_params(scheme: Scheme, kind: str) -> dict[str, Any]:
@@ -379,6 +435,17 @@ def _elementwise_geometry(
     if not shape and weights.granularity == "channel":
         return "a scalar operand has no channel axis"
     return max(len(shape) - 1, 0), (), ()
+
+
+def gptq_input_axis(visit: Visit, site: Site) -> int | None:
+    """The activation axis whose second moment GPTQ needs, or None where it does not apply
+    (convolutions, batched matmuls, several contracted axes)."""
+    if site.primitive != "dot_general" or len(site.contract_axes) != 1:
+        return None
+    (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
+    if lb or rb:
+        return None
+    return (lc, rc)[1 - site.weight_index][0]
 
 
 def make_site(
@@ -555,10 +622,15 @@ class Engine:
     """Rules shared by every mode; ``handler(visit, site, qweight, invals)`` does the mode's work."""
 
     def __init__(
-        self, state: QState, handler: SiteHandler, chains: Mapping[str, str] | None = None
+        self,
+        state: QState,
+        handler: SiteHandler,
+        chains: Mapping[str, str] | None = None,
+        grams: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.state = state
         self.chains = dict(chains or {})
+        self.grams = dict(grams or {})  # layers to (re)quantize with GPTQ
         self.handler = handler
         self.sites: dict[str, Site] = {}
         self.skipped: dict[str, str] = {}
@@ -648,20 +720,29 @@ class Engine:
             self.skipped[name] = site
             return bind_float()
         qw = self.weights.get(name)
-        if qw is None or qw.shape != tuple(np.shape(raw[wi])):
-            qw = quantize_weight(raw[wi], site)
+        if qw is None or qw.shape != tuple(np.shape(raw[wi])) or name in self.grams:
+            qw = quantize_weight(
+                raw[wi], site, config.weight_calibration, self.grams.get(name), config.gptq_damp
+            )
             self.weights[name] = qw
+        if qw.method == "gptq":  # codes not from rounding: the simulated weight is their value
+            raw[wi] = dequantized_weight(qw, np.asarray(raw[wi]).dtype)
         self.sites[name] = site
         return self.handler(visit, site, qw, raw)
 
 
 def lower(
-    state: QState, handler: SiteHandler, *, integer_chains: bool = False
+    state: QState,
+    handler: SiteHandler,
+    *,
+    integer_chains: bool = False,
+    grams: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[Program, Engine]:
     """Rewrite the float program through the engine's rules (``rewrite`` re-traces it).
-    ``integer_chains`` (realize) runs planned pass-through equations on int8 codes."""
+    ``integer_chains`` (realize) runs planned pass-through equations on int8 codes; ``grams``
+    (calibrate) re-quantizes those layers' weights with GPTQ."""
     chains = plan_chains(state.source, state) if integer_chains else None
-    engine = Engine(state, handler, chains)
+    engine = Engine(state, handler, chains, grams)
     try:
         out = rewrite(state.source, engine.rules(), scope="quantize")
     except RewriteError as e:

@@ -1,7 +1,8 @@
 """realize: lower annotated equations to integer code that XLA runs.
 
 * Weights are quantized once (``QWeight``) and stored as int8 constants, or packed two per byte for
-  4 bits or fewer (unpacked with two shifts at run time).
+  4 bits or fewer (unpacked with two shifts and a concatenate at run time).
+* Weight-only layers run the float op on the codes and scale its output (see ``_weight_only``).
 * Activations are quantized with core ops (divide, round, add, clip, cast) to int8: unsigned schemes
   are shifted into the signed range (their zero point shifts with them), because XLA:CPU's u8 x s8
   dot never takes its fast path.
@@ -51,22 +52,33 @@ from jaxq.transform import Pass, program_pass
 # ---- weight storage -----------------------------------------------------------------------------
 
 
+def pack_axis(shape: tuple[int, ...]) -> int | None:
+    """The axis int4 codes are packed along (its two halves share bytes): the first of even
+    length, so unpacking is one concatenate; None (packed flat, padded) when no axis is even."""
+    return next((d for d, n in enumerate(shape) if n % 2 == 0), None)
+
+
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """Signed codes in [-8, 7] -> int8 bytes, two per byte (low nibble first)."""
-    flat = np.asarray(q, np.int8).reshape(-1)
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.int8)])
-    lo = flat[0::2].astype(np.uint8) & 0xF
-    hi = (flat[1::2].astype(np.uint8) & 0xF) << 4
-    return (lo | hi).astype(np.uint8).view(np.int8)
+    """Signed codes in [-8, 7] -> int8 bytes, two per byte: the first half of the packing axis
+    in the low nibbles, the second half in the high nibbles."""
+    q = np.asarray(q, np.int8)
+    axis = pack_axis(q.shape)
+    if axis is None:
+        q = np.concatenate([q.reshape(-1), np.zeros(q.size % 2, np.int8)])
+        axis = 0
+    lo, hi = np.split(q, 2, axis=axis)
+    return ((lo.astype(np.uint8) & 0xF) | ((hi.astype(np.uint8) & 0xF) << 4)).view(np.int8)
 
 
 def unpack_int4(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of :func:`pack_int4`, with arithmetic shifts (sign extension) on int8."""
+    """Inverse of :func:`pack_int4`: two arithmetic shifts (sign extension) and a concatenate,
+    which XLA fuses into the consumer's loop."""
     lo = lax.shift_right_arithmetic(lax.shift_left(packed, jnp.int8(4)), jnp.int8(4))
     hi = lax.shift_right_arithmetic(packed, jnp.int8(4))
-    flat = jnp.stack([lo, hi], axis=-1).reshape(-1)
-    return flat[: math.prod(shape)].reshape(shape)
+    axis = pack_axis(shape)
+    if axis is None:
+        return jnp.concatenate([lo, hi])[: math.prod(shape)].reshape(shape)
+    return jnp.concatenate([lo, hi], axis=axis)
 
 
 def weight_codes(qw: QWeight) -> jax.Array:
@@ -369,6 +381,34 @@ def _int_conv(
     return acc, per_sample(sa) * per_channel(w_scale)
 
 
+def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> jax.Array:
+    """A float dot / convolution on the stored codes. A symmetric per-tensor or per-channel scale
+    multiplies the (smaller) output instead of the weight, so the weight's only per-call work is
+    one fused unpack-and-convert; otherwise the weight is dequantized as simulated."""
+    wi = site.weight_index
+    w_dtype = jnp.asarray(invals[wi]).dtype
+    new = list(invals)
+    w = weight_codes(qw).astype(jnp.float32)
+    symmetric = not np.any(qw.zero_point != 0) and site.weights.granularity != "group"
+    if not symmetric or site.primitive not in ("dot_general", "conv_general_dilated"):
+        if np.any(qw.zero_point != 0):
+            w = w - qw.zero_point.astype(np.float32)
+        new[wi] = (w * qw.scale).astype(w_dtype)  # (q - zp) * s, as simulated
+        return visit.bind(*new)
+    new[wi] = w.astype(w_dtype)
+    y = visit.bind(*new).astype(jnp.float32)
+    scale = qw.scale
+    if scale.size == 1:
+        return y * scale.reshape(())
+    if site.primitive == "dot_general":
+        dn = visit.params["dimension_numbers"]
+        ranks = (jnp.ndim(invals[0]), jnp.ndim(invals[1]))
+        return y * _dot_to_out(scale, wi, dn, ranks)
+    shape = [1] * y.ndim
+    shape[visit.params["dimension_numbers"].out_spec[1]] = -1
+    return y * scale.reshape(shape)
+
+
 def realize_handler(state: QState) -> SiteHandler:
     config = state.config
 
@@ -377,14 +417,8 @@ def realize_handler(state: QState) -> SiteHandler:
         wi = site.weight_index
         out_dtype = shaped_aval(visit.eqn.outvars[0]).dtype
         scheme = site.activations
-        if scheme is None:  # weight-only: dequantize the stored codes at the float boundary
-            w = weight_codes(qw).astype(jnp.float32)
-            if np.any(qw.zero_point != 0):
-                w = w - qw.zero_point.astype(np.float32)
-            w = w * qw.scale  # as simulated_quantize computes it: (q - zp) * s, in f32
-            new = list(invals)
-            new[wi] = w.astype(jnp.asarray(invals[wi]).dtype)
-            return visit.bind(*new)
+        if scheme is None:
+            return _weight_only(visit, site, qw, invals).astype(out_dtype)
         a = invals[1 - wi]
         params = _static_act(state, site, "realize")
         sa, za = act_qparams(a, scheme, site, params)
@@ -422,6 +456,11 @@ def realize_program(program: Program, config: QConfig | None = None) -> Program:
         raise QuantizeError(
             "realize: config differs from the one the program was annotated with; annotate "
             "(and calibrate) again with the new config"
+        )
+    if state.config.weight_calibration == "gptq" and state.calibration.get("weights") != "gptq":
+        raise QuantizeError(
+            "realize: weight_calibration='gptq' chooses weight codes from calibration data; run "
+            "jaxq.quantize.calibrate(data) before realize"
         )
     state = state.replace(mode="realize")
     out, engine = lower(state, realize_handler(state), integer_chains=True)

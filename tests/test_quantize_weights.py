@@ -1,0 +1,127 @@
+"""How weight codes are chosen: minmax, MSE clipping and GPTQ (QConfig.weight_calibration)."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_quantize_pipeline import reference_dense
+
+import jaxq.quantize as Q
+from jaxq.quantize import QConfig, QuantizeError, Scheme
+from jaxq.quantize._gptq import gptq_codes
+from jaxq.quantize._lower import get_state
+
+
+def correlated(rng, rows, k):
+    """Activations with strongly correlated columns (what makes GPTQ's compensation pay)."""
+    base = rng.normal(size=(rows, k // 4))
+    return (np.repeat(base, 4, axis=1) + 0.1 * rng.normal(size=(rows, k))).astype(np.float32)
+
+
+def rtn(w, s, qmin=-127, qmax=127):
+    return np.clip(np.rint(w / s), qmin, qmax)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**16), st.sampled_from([(16, 5), (130, 3)]))
+def test_gptq_on_independent_inputs_is_round_to_nearest(seed, shape):
+    # a diagonal second moment couples no rows: nothing to compensate
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=shape)
+    s = np.abs(w).max(0, keepdims=True) / 127
+    gram = np.diag(rng.uniform(0.1, 2.0, shape[0]))
+    np.testing.assert_array_equal(gptq_codes(w, s, 0.0, (-127, 127), gram, 0.1), rtn(w, s))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**16), st.sampled_from([4, 3]))
+def test_gptq_lowers_output_error_on_its_data(seed, bits):
+    rng = np.random.default_rng(seed)
+    x = correlated(rng, 256, 160)  # 160 > BLOCK: the lazy block update runs too
+    w = rng.normal(size=(160, 6))
+    qmax = 2 ** (bits - 1) - 1
+    s = np.abs(w).max(0, keepdims=True) / qmax
+    q = gptq_codes(w, s, 0.0, (-qmax, qmax), x.T.astype(np.float64) @ x, 0.01)
+    assert q.min() >= -qmax and q.max() <= qmax and np.all(q == np.rint(q))
+    err = lambda codes: np.sum((x @ w - x @ (codes * s)) ** 2)
+    assert err(q) < 0.8 * err(rtn(w, s, -qmax, qmax))
+
+
+def dense(w):
+    def layer(v):
+        with jax.named_scope("L"):
+            return v @ w
+
+    return layer
+
+
+@pytest.mark.parametrize("activations", [None, Scheme(symmetric=False)])
+def test_gptq_end_to_end(activations):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(32, 8)).astype(np.float32)
+    calib = [(correlated(rng, 64, 32),) for _ in range(3)]
+    x = np.concatenate([c[0] for c in calib])
+    weights = Scheme(bits=4, granularity="channel")
+    out = {}
+    for method in ("minmax", "gptq"):
+        cfg = QConfig(weights=weights, activations=activations, weight_calibration=method)
+        r = Q.quantize(dense(w), calibration=calib, config=cfg, progress=False)
+        s = Q.quantize(dense(w), calibration=calib, config=cfg, mode="simulate", progress=False)
+        out[method] = np.asarray(r(x))
+        np.testing.assert_allclose(out[method], np.asarray(s(x)), rtol=1e-5, atol=1e-5)
+        state = get_state(r.program, "test")
+        assert state.weights["L/dot_general"].method == method
+        assert method in str(r.report()) or method == "minmax"
+        if activations is not None:  # the integer code is exact against the simulated operands
+            want = reference_dense(x, state, "L/dot_general", w)
+            np.testing.assert_array_equal(np.asarray(r(x)), want)
+    ref = x @ w
+    assert np.sum((out["gptq"] - ref) ** 2) < np.sum((out["minmax"] - ref) ** 2)
+
+
+def test_gptq_leaves_convolutions_to_minmax():
+    from test_quantize_pipeline import XI, cnn
+
+    cfg = QConfig(activations=None, weight_calibration="gptq")
+    qf = Q.quantize(cnn, calibration=[(XI,)], config=cfg, progress=False)
+    methods = {k: v.method for k, v in get_state(qf.program, "test").weights.items()}
+    assert methods == {
+        "CNN/Conv_0/conv_general_dilated": "minmax",
+        "CNN/Dense_0/dot_general": "gptq",
+    }
+
+
+def test_gptq_needs_calibration():
+    cfg = QConfig(activations=None, weight_calibration="gptq")
+    w = np.ones((4, 2), np.float32)
+    with pytest.raises(QuantizeError, match="weight_calibration='gptq'"):
+        Q.quantize(dense(w), config=cfg, example_args=(np.ones((1, 4), np.float32),))
+    import jaxq
+
+    program = Q.annotate(cfg)(jaxq.trace(dense(w), np.ones((1, 4), np.float32)))
+    with pytest.raises(QuantizeError, match="run jaxq.quantize.calibrate"):
+        Q.realize()(program)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**16), st.sampled_from(["tensor", "channel"]), st.booleans())
+def test_mse_clipping_never_worse_than_minmax(seed, gran, symmetric):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_t(3, size=(48, 6)).astype(np.float32)  # heavy tails: clipping pays
+    weights = Scheme(bits=4, granularity=gran, symmetric=symmetric)
+    err = {}
+    for method in ("minmax", "mse"):
+        cfg = QConfig(weights=weights, activations=None, weight_calibration=method)
+        qf = Q.quantize(dense(w), config=cfg, example_args=(np.eye(48, dtype=np.float32),))
+        err[method] = np.sum((np.asarray(qf(np.eye(48, dtype=np.float32))) - w) ** 2)
+    assert err["mse"] <= err["minmax"] * (1 + 1e-6)
+
+
+def test_weight_calibration_validation():
+    with pytest.raises(ValueError, match="weight_calibration must be one of"):
+        QConfig(weight_calibration="awq")
+    with pytest.raises(ValueError, match="gptq_damp"):
+        QConfig(gptq_damp=0)
+    with pytest.raises(TypeError, match="gptq_damp"):
+        QConfig(gptq_damp="big")
