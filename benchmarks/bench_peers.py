@@ -123,6 +123,14 @@ def jaxq_methods(model: str, params: Any, calib: list[np.ndarray]) -> list[Metho
             jq.QConfig(weights=jq.Scheme(bits=4, granularity="channel"), activations=None),
             "w int4 sym channel (two per byte), activations=None",
         ),
+        "W4 weight-only GPTQ": (
+            jq.QConfig(
+                weights=jq.Scheme(bits=4, granularity="channel"),
+                activations=None,
+                weight_calibration="gptq",
+            ),
+            "as W4 weight-only, codes chosen by GPTQ on the calibration batches (dense layers)",
+        ),
     }
     f = functools.partial(digits.MODELS[model][1], params)
     out: list[Method | Row] = []
@@ -336,10 +344,12 @@ def verdicts(rows: list[Row], n_test: int) -> list[str]:
     by = {(r.model, r.method): r for r in rows}
     lines = []
     for model in dict.fromkeys(r.model for r in rows):
-        for scheme in SCHEMES:
-            j, q = by.get((model, f"jaxq {scheme}")), by.get((model, f"qwix {scheme}"))
+        for scheme in (*SCHEMES, "W4 weight-only GPTQ"):
+            peer = scheme.removesuffix(" GPTQ")  # qwix's round-to-nearest scheme
+            j, q = by.get((model, f"jaxq {scheme}")), by.get((model, f"qwix {peer}"))
             if j is None or q is None or j.accuracy is None or q.accuracy is None:
-                lines.append(f"{model} {scheme}: not comparable (a method is unavailable)")
+                if scheme in SCHEMES:
+                    lines.append(f"{model} {scheme}: not comparable (a method is unavailable)")
                 continue
             images = round((j.accuracy - q.accuracy) * n_test)
             acc = f"{'yes' if images >= 0 else 'NO'} ({images:+d} test images)"

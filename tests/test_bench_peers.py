@@ -36,5 +36,5 @@ def test_tiny_run_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert r["accuracy"] is not None, r["note"]
         assert r["accuracy"] > 0.5
         assert set(r["latency_ms"]) == {"b1", "b256"}
-    assert len(result["verdicts"]) == len(bench_peers.SCHEMES)
+    assert len(result["verdicts"]) == len(bench_peers.SCHEMES) + 1  # + jaxq W4 GPTQ vs qwix W4
     assert "qwix W8A8 static" in capsys.readouterr().out
