@@ -211,7 +211,9 @@ def make_report(program: Program, sqnr: dict[str, float] | None = None) -> Repor
                 e.name,
                 e.primitive,
                 status,
-                site.weights.short() + (f" {qw.method}" if qw and qw.method != "minmax" else ""),
+                site.weights.short()
+                + (f" {qw.method}" if qw and qw.method != "minmax" else "")
+                + (" smoothed" if e.name in state.act_absmax else ""),
                 acts,
                 wscale,
                 a_scale,

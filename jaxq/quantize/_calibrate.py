@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -68,20 +69,30 @@ def _gram(a: jax.Array, axis: int) -> jax.Array:
     return jnp.dot(x.T, x, precision=lax.Precision.HIGHEST)
 
 
-def _observer_fn(state: QState, source: Program, histogram: bool, gptq: bool) -> Callable[..., Any]:
-    """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program; with ``gptq``,
-    also each eligible layer's ``X^T X`` under ``name + ":gram"``."""
+def _observer_fn(
+    state: QState, source: Program, histogram: bool, gptq: bool, absmax: bool
+) -> Callable[..., Any]:
+    """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program. With ``gptq``,
+    also each eligible layer's ``X^T X`` under ``name + ":gram"``; with ``absmax``, only each
+    smoothable layer's per-input-channel ``max |X|`` under ``name + ":absmax"``."""
 
     def run(radii: dict[str, Any], *flat: Any) -> dict[str, Any]:
         stats: dict[str, Any] = {}
 
         def handle(visit: Any, site: Site, qw: QWeight, invals: list[Any]) -> Any:
             y = visit.bind(*invals)
-            axis = gptq_input_axis(visit, site) if gptq and not site.in_loop else None
-            if axis is not None:
-                stats[site.name + ":gram"] = _gram(invals[1 - site.weight_index], axis)
-            if not site.in_loop and site.activations is not None:
-                a = invals[1 - site.weight_index]
+            if site.in_loop:
+                return y
+            a = invals[1 - site.weight_index]
+            axis = gptq_input_axis(visit, site)
+            if absmax:
+                if axis is not None and site.activations is not None:
+                    x = jnp.moveaxis(jnp.abs(a.astype(jnp.float32)), axis, -1)
+                    stats[site.name + ":absmax"] = jnp.max(x.reshape(-1, x.shape[-1]), axis=0)
+                return y
+            if gptq and axis is not None:
+                stats[site.name + ":gram"] = _gram(a, axis)
+            if site.activations is not None:
                 stats[site.name] = batch_stats(a, radii.get(site.name))
                 out_key = site.name + ":out"
                 if out_key in radii or state.config.requantize == "fixed_point":
@@ -93,6 +104,100 @@ def _observer_fn(state: QState, source: Program, histogram: bool, gptq: bool) ->
         return stats
 
     return jax.jit(run)
+
+
+def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
+    if not np.all(np.isfinite(v)):
+        raise QuantizeError(
+            f"calibrate: NaN or Inf in the input of layer {name!r} (calibration batch {batch}); "
+            "clean the calibration data"
+        )
+
+
+def _observe(
+    state: QState,
+    data: Iterable[Any],
+    *,
+    keys: list[tuple[str, Site]],
+    histogram: bool,
+    gptq: bool,
+    absmax: bool,
+    progress: bool,
+    retrace: Callable[..., Program] | None,
+) -> tuple[dict[str, Observer], dict[str, np.ndarray], int]:
+    """One pass over the calibration data: the observers of ``keys``, and the accumulated
+    ``:gram`` (sum) / ``:absmax`` (max) arrays by layer name, and the number of batches."""
+    observers = {k: Observer(k, histogram) for k, _ in keys}
+    arrays: dict[str, np.ndarray] = {}
+    fns: dict[Any, tuple[Program, Callable[..., Any]]] = {}
+    n = 0
+    desc = "jaxq calibrate (smoothing)" if absmax else "jaxq calibrate"
+    for n, batch in enumerate(progress_bar(data, progress, desc), 1):
+        args = batch if isinstance(batch, tuple) else (batch,)
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
+        if key not in fns:
+            try:
+                source = state.source
+                source.flatten_args(args, {})
+            except TypeError as e:
+                if retrace is None:
+                    raise QuantizeError(
+                        f"calibrate: calibration batch {n - 1} does not match the program's "
+                        f"arguments:\n{e}"
+                    ) from e
+                try:
+                    source = retrace(*args)
+                except Exception as e2:
+                    raise QuantizeError(
+                        f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
+                        f"{type(e2).__name__}: {e2}"
+                    ) from e2
+            fns[key] = (source, _observer_fn(state, source, histogram, gptq, absmax))
+        source, fn = fns[key]
+        flat = source.flatten_args(args, {})
+        if not observers and not gptq and not absmax:
+            continue
+        radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
+        try:
+            stats = fn(radii if histogram and radii else {}, *flat) if histogram else fn({}, *flat)
+        except RewriteError as e:
+            raise_cause(e)
+            raise
+        stats = jax.device_get(stats)
+        for k in [k for k in stats if k.endswith((":gram", ":absmax"))]:
+            name, kind = k.rsplit(":", 1)
+            v = np.asarray(stats.pop(k), np.float64)
+            _check_finite(name, v, n - 1)
+            if name in arrays:
+                v = arrays[name] + v if kind == "gram" else np.maximum(arrays[name], v)
+            arrays[name] = v
+        for k, s in stats.items():
+            if int(s["nonfinite"]):
+                raise QuantizeError(
+                    f"calibrate: NaN or Inf in the {'output' if k.endswith(':out') else 'input'} "
+                    f"of layer {k.removesuffix(':out')!r} (calibration batch {n - 1}); clean the "
+                    "calibration data"
+                )
+        if histogram:
+            grown = False
+            for k, s in stats.items():
+                o = observers[k]
+                r = o.radius_for(float(s["min"]), float(s["max"]))
+                if o.radius is None or r > o.radius:
+                    o.set_radius(r)
+                    grown = True
+            if grown or not radii:
+                radii = {k: np.float32(o.radius) for k, o in observers.items()}
+                stats = jax.device_get(fn(radii, *flat))
+                stats = {k: v for k, v in stats.items() if not k.endswith(":gram")}
+        for k, s in stats.items():
+            observers[k].update(s)
+    if n == 0:
+        raise QuantizeError(
+            "calibrate: the calibration data is empty; pass at least one tuple of arguments"
+        )
+    return observers, arrays, n
 
 
 def calibrate_program(
@@ -120,80 +225,18 @@ def calibrate_program(
         )
     histogram = method != "minmax"
     gptq = config.weight_calibration == "gptq"
-    grams: dict[str, np.ndarray] = {}
+    observe = functools.partial(_observe, progress=progress, retrace=retrace)
+    if config.smoothing is not None:
+        # Pass 1 measures each input channel's range; pass 2 calibrates the smoothed operands.
+        if iter(data) is data:  # a one-shot iterator: keep the batches for the second pass
+            data = list(data)
+        _, absmax, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
+        weights = {k: v for k, v in state.weights.items() if k not in absmax}
+        state = state.replace(act_absmax=absmax, weights=weights)
     keys = _observed_keys(state)
-    observers = {k: Observer(k, histogram) for k, _ in keys}
-    fns: dict[Any, tuple[Program, Callable[..., Any]]] = {}
-    n = 0
-    for n, batch in enumerate(progress_bar(data, progress, "jaxq calibrate"), 1):
-        args = batch if isinstance(batch, tuple) else (batch,)
-        leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
-        if key not in fns:
-            try:
-                source = state.source
-                source.flatten_args(args, {})
-            except TypeError as e:
-                if retrace is None:
-                    raise QuantizeError(
-                        f"calibrate: calibration batch {n - 1} does not match the program's "
-                        f"arguments:\n{e}"
-                    ) from e
-                try:
-                    source = retrace(*args)
-                except Exception as e2:
-                    raise QuantizeError(
-                        f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
-                        f"{type(e2).__name__}: {e2}"
-                    ) from e2
-            fns[key] = (source, _observer_fn(state, source, histogram, gptq))
-        source, _ = fns[key]
-        flat = source.flatten_args(args, {})
-        _, fn = fns[key]
-        if not observers and not gptq:
-            continue
-        radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
-        try:
-            stats = fn(radii if histogram and radii else {}, *flat) if histogram else fn({}, *flat)
-        except RewriteError as e:
-            raise_cause(e)
-            raise
-        stats = jax.device_get(stats)
-        for k in [k for k in stats if k.endswith(":gram")]:
-            g = np.asarray(stats.pop(k), np.float64)
-            if not np.all(np.isfinite(g)):
-                raise QuantizeError(
-                    f"calibrate: NaN or Inf in the input of layer {k.removesuffix(':gram')!r} "
-                    f"(calibration batch {n - 1}); clean the calibration data"
-                )
-            name = k.removesuffix(":gram")
-            grams[name] = grams[name] + g if name in grams else g
-        for k, s in stats.items():
-            if int(s["nonfinite"]):
-                layer = k.removesuffix(":out")
-                where = "output" if k.endswith(":out") else "input"
-                raise QuantizeError(
-                    f"calibrate: NaN or Inf in the {where} of layer {layer!r} "
-                    f"(calibration batch {n - 1}); clean the calibration data"
-                )
-        if histogram:
-            grown = False
-            for k, s in stats.items():
-                o = observers[k]
-                r = o.radius_for(float(s["min"]), float(s["max"]))
-                if o.radius is None or r > o.radius:
-                    o.set_radius(r)
-                    grown = True
-            if grown or not radii:
-                radii = {k: np.float32(o.radius) for k, o in observers.items()}
-                stats = jax.device_get(fn(radii, *flat))
-                stats = {k: v for k, v in stats.items() if not k.endswith(":gram")}
-        for k, s in stats.items():
-            observers[k].update(s)
-    if n == 0:
-        raise QuantizeError(
-            "calibrate: the calibration data is empty; pass at least one tuple of arguments"
-        )
+    observers, grams, n = observe(
+        state, data, keys=keys, histogram=histogram, gptq=gptq, absmax=False
+    )
     act: dict[str, ActParams] = dict(state.act)
     for k, site in keys:
         o = observers[k]
@@ -212,6 +255,8 @@ def calibrate_program(
     if gptq:
         info["weights"] = "gptq"
         info["gptq_layers"] = len(grams)
+    if config.smoothing is not None:
+        info["smoothed_layers"] = len(state.act_absmax)
     state = state.replace(act=act, calibration=info)
     out, engine = lower(state, simulate_handler(state), grams=grams)
     return with_state(out, state.replace(mode="simulate", weights=engine.weights))

@@ -172,6 +172,9 @@ class QConfig:
         ``"gptq"``: minmax scales, codes chosen by GPTQ to minimise the layer's output error on
         the calibration data (matmuls with one contracted axis; other layers use minmax).
       gptq_damp: for ``"gptq"``, the share of the mean diagonal added to ``X^T X``.
+      smoothing: SmoothQuant's migration strength ``alpha`` in [0, 1], or None (off): matmuls
+        with one contracted axis quantize ``X / s`` and ``s W`` with per-input-channel
+        ``s = max|X|^alpha / max|W|^(1 - alpha)`` from the calibration data (a second pass).
     """
 
     weights: Scheme = Scheme(granularity="channel", narrow_range=True)
@@ -183,6 +186,7 @@ class QConfig:
     dynamic: bool = False
     weight_calibration: str = "minmax"
     gptq_damp: float = 0.1
+    smoothing: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, Scheme):
@@ -219,6 +223,18 @@ class QConfig:
             raise TypeError(f"QConfig: gptq_damp must be a number; got {self.gptq_damp!r}")
         if not 0 < self.gptq_damp <= 10:
             raise ValueError(f"QConfig: gptq_damp must be in (0, 10]; got {self.gptq_damp}")
+        if self.smoothing is not None:
+            if isinstance(self.smoothing, bool) or not isinstance(self.smoothing, (int, float)):
+                raise TypeError(
+                    f"QConfig: smoothing must be a number in [0, 1] or None; got {self.smoothing!r}"
+                )
+            if not 0 <= self.smoothing <= 1:
+                raise ValueError(f"QConfig: smoothing must be in [0, 1]; got {self.smoothing}")
+            if self.activations is None:
+                raise ValueError(
+                    "QConfig: smoothing moves activation outliers into the weights; it needs "
+                    "quantized activations (got activations=None). Drop smoothing for weight-only."
+                )
         if self.requantize == "fixed_point" and (self.activations is None or self.dynamic):
             raise ValueError(
                 "QConfig: requantize='fixed_point' needs static activation scales (an int8 output "

@@ -30,6 +30,7 @@ from jaxq._walk import RewriteError, Visit, rewrite
 from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
 from jaxq.quantize._gptq import gptq_codes
+from jaxq.quantize._smooth import smoothing_factors
 
 if TYPE_CHECKING:
     from jax.core import ShapedArray
@@ -126,6 +127,8 @@ class QState:
     matched_rules: frozenset[int] = frozenset()
     calibration: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     mode: str = "simulate"
+    act_absmax: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """Per-input-channel ``max |X|`` of smoothed layers (``QConfig.smoothing``)."""
 
     def replace(self, **changes: Any) -> QState:
         return dataclasses.replace(self, **changes)
@@ -598,6 +601,7 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
             or site.activations is None
             or site.activations.granularity != "tensor"
             or name not in state.act
+            or name in state.act_absmax  # smoothed: divided per channel before quantizing
             or not jnp.issubdtype(e.invars[1 - site.weight_index].aval.dtype, jnp.floating)
         ):
             continue
@@ -719,6 +723,17 @@ class Engine:
         if isinstance(site, str):
             self.skipped[name] = site
             return bind_float()
+        absmax = self.state.act_absmax.get(name)
+        if absmax is not None and config.smoothing is not None:
+            a_axis = gptq_input_axis(visit, site)
+            assert a_axis is not None  # calibrate measures absmax only where it applies
+            (k_axis,) = site.contract_axes
+            w = np.asarray(raw[wi])
+            s = smoothing_factors(absmax, w, k_axis, config.smoothing)
+            shape = lambda ndim, axis: [-1 if d == axis else 1 for d in range(ndim)]
+            raw[wi] = (w * s.reshape(shape(w.ndim, k_axis))).astype(w.dtype)
+            a = raw[1 - wi]
+            raw[1 - wi] = a / s.reshape(shape(a.ndim, a_axis)).astype(a.dtype)
         qw = self.weights.get(name)
         if qw is None or qw.shape != tuple(np.shape(raw[wi])) or name in self.grams:
             qw = quantize_weight(

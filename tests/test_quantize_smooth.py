@@ -1,0 +1,77 @@
+"""SmoothQuant (QConfig.smoothing): activation outliers moved into the weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_quantize_pipeline import reference_dense
+
+import jaxq.quantize as Q
+from jaxq.quantize import QConfig, Scheme
+from jaxq.quantize._lower import get_state
+from jaxq.quantize._smooth import smoothing_factors
+
+RNG = np.random.default_rng(3)
+W = (RNG.normal(size=(16, 6)) * 0.3).astype(np.float32)
+OUTLIER = np.ones(16, np.float32)
+OUTLIER[[2, 9]] = 60.0  # two input channels far larger than the rest, as in transformers
+
+
+def layer(x):
+    with jax.named_scope("L"):
+        return x @ W
+
+
+def batches(n=3, rows=32):
+    return [((RNG.normal(size=(rows, 16)) * OUTLIER).astype(np.float32),) for _ in range(n)]
+
+
+CALIB = batches()
+X = np.concatenate([b[0] for b in CALIB])
+
+
+def test_smoothing_reduces_the_error_of_outlier_activations():
+    ref = X @ W
+    err = {}
+    for alpha in (None, 0.5):
+        qf = Q.quantize(layer, calibration=CALIB, config=QConfig(smoothing=alpha), progress=False)
+        err[alpha] = np.sum((np.asarray(qf(X)) - ref) ** 2)
+    assert err[0.5] < 0.5 * err[None]
+
+
+def test_smoothed_integer_code_is_exact():
+    alpha = 0.5
+    cfg = QConfig(activations=Scheme(symmetric=False), smoothing=alpha)
+    qf = Q.quantize(layer, calibration=CALIB, config=cfg, progress=False)
+    state = get_state(qf.program, "t")
+    np.testing.assert_array_equal(state.act_absmax["L/dot_general"], np.abs(X).max(0))
+    s = smoothing_factors(state.act_absmax["L/dot_general"], W, 0, alpha)
+    # the same eager division the program does, then the unsmoothed integer reference
+    xs = np.asarray(jnp.asarray(X) / jnp.asarray(s.reshape(1, -1)))
+    want = reference_dense(xs, state, "L/dot_general", W * s[:, None])
+    np.testing.assert_array_equal(np.asarray(qf(X)), want)
+    sim = Q.quantize(layer, calibration=CALIB, config=cfg, mode="simulate", progress=False)
+    np.testing.assert_allclose(np.asarray(sim(X)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_smoothing_factors():
+    s = smoothing_factors(np.array([4.0, 0.0, 1.0]), np.array([[1.0], [2.0], [0.0]]), 0, 0.5)
+    np.testing.assert_allclose(s, [2.0, 1.0, 1.0])  # sqrt(4) / sqrt(1); dead channels keep 1
+
+
+def test_smoothing_with_one_shot_data_and_new_shapes():
+    data = iter(batches(2))  # a generator is read once and kept for the second pass
+    qf = Q.quantize(layer, calibration=data, config=QConfig(smoothing=0.8), progress=False)
+    assert get_state(qf.program, "t").calibration["smoothed_layers"] == 1
+    x = X[:5]  # another batch size re-specializes with the same factors and weights
+    rel = np.abs(np.asarray(qf(x)) - x @ W).max() / np.abs(x @ W).max()
+    assert rel < 0.05
+
+
+def test_smoothing_validation():
+    with pytest.raises(ValueError, match="needs quantized activations"):
+        QConfig(activations=None, smoothing=0.5)
+    with pytest.raises(ValueError, match="smoothing must be in"):
+        QConfig(smoothing=1.5)
+    with pytest.raises(TypeError, match="smoothing must be a number"):
+        QConfig(smoothing="auto")
