@@ -56,6 +56,24 @@ CALIBRATION = [
     "I forgot my umbrella at the office.",
     "The concert was cancelled due to illness.",
 ]
+VALIDATION = [  # scores the layer choice of --sensitivity: neither calibration nor held-out
+    "The children built a sandcastle on the beach.",
+    "Interest rates were raised by the central bank.",
+    "My laptop will not turn on after the update.",
+    "The orchestra rehearsed the symphony all afternoon.",
+    "A cyclist waited at the red light.",
+    "The recipe calls for fresh basil and garlic.",
+    "Scientists discovered a new species of frog.",
+    "The hotel room had a view of the harbour.",
+    "Please remember to water the plants.",
+    "The election results were announced at midnight.",
+    "An old man is feeding pigeons in the square.",
+    "The software release was postponed until spring.",
+    "She runs five kilometres every morning.",
+    "The bridge was closed for repairs.",
+    "Our teacher assigned a short essay on climate.",
+    "The puppy chewed through the garden hose.",
+]
 HELD_OUT = [
     "A man is eating a piece of bread.",
     "A woman is playing the guitar.",
@@ -98,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--sensitivity",
         action="store_true",
         help="also search which layers to keep in float for W8A8 (smoothed) to reach a mean "
-        "cosine of 0.999 on the calibration sentences (minutes)",
+        "cosine of 0.9992 on validation sentences (minutes)",
     )
     args = ap.parse_args(argv)
     if args.model_dir is None:
@@ -127,23 +145,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
     }
     results: dict[str, Any] = {"float32": {"latency_ms": _median_ms(jax.jit(f), ids, mask)}}
-    cal_ids, cal_mask = tok(CALIBRATION)
-    cal_ref = np.asarray(jax.jit(f)(cal_ids, cal_mask))
+    val_ids, val_mask = tok(VALIDATION)
+    val_ref = np.asarray(jax.jit(f)(val_ids, val_mask))
 
-    def calib_cosine(qf: Any) -> float:
-        """Mean cosine against float on the calibration sentences (never the held-out ones)."""
-        e = np.asarray(jax.jit(qf)(cal_ids, cal_mask))
-        return float(np.mean(_cosine(e, cal_ref)))
+    def val_cosine(qf: Any) -> float:
+        """Mean cosine against float on the validation sentences (neither calibration nor
+        held-out): what chooses SmoothQuant's alpha and the layers kept in float."""
+        e = np.asarray(jax.jit(qf)(val_ids, val_mask))
+        return float(np.mean(_cosine(e, val_ref)))
 
-    # SmoothQuant's alpha, chosen on the calibration sentences
+    # SmoothQuant's alpha, chosen on the validation sentences
     alphas = {}
     for alpha in (0.5, 0.6, 0.7, 0.8):
         cfg = jaxq.QConfig(smoothing=alpha)
-        alphas[alpha] = calib_cosine(
-            jaxq.quantize(f, calibration=calib, config=cfg, progress=False)
-        )
+        alphas[alpha] = val_cosine(jaxq.quantize(f, calibration=calib, config=cfg, progress=False))
     alpha = max(alphas, key=alphas.__getitem__)
-    print("SmoothQuant alpha -> calibration cosine:", {a: round(c, 5) for a, c in alphas.items()})
+    print("SmoothQuant alpha -> validation cosine:", {a: round(c, 5) for a, c in alphas.items()})
     configs[f"W8A8 smooth {alpha}"] = jaxq.QConfig(smoothing=alpha)
     for name, cfg in configs.items():
         t0 = time.perf_counter()
@@ -162,8 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f,
             calibration=calib,
             config=jaxq.QConfig(smoothing=alpha),
-            metric=calib_cosine,
-            target=0.999,
+            metric=val_cosine,
+            target=0.9992,  # a margin over the 0.999 goal: the held-out sentences are new
             max_float=12,
         )
         print(found)

@@ -36,6 +36,7 @@ def test_smoothing_reduces_the_error_of_outlier_activations():
     for alpha in (None, 0.5):
         qf = Q.quantize(layer, calibration=CALIB, config=QConfig(smoothing=alpha), progress=False)
         err[alpha] = np.sum((np.asarray(qf(X)) - ref) ** 2)
+        assert ("smoothed" in str(qf.report())) == (alpha is not None)
     assert err[0.5] < 0.5 * err[None]
 
 
