@@ -69,6 +69,15 @@ def test_smoothing_with_one_shot_data_and_new_shapes():
     assert rel < 0.05
 
 
+def test_smoothing_with_dynamic_activations_is_calibrated():
+    cfg = QConfig(activations=Scheme(granularity="token"), dynamic=True, smoothing=0.5)
+    qf = Q.quantize(layer, calibration=CALIB, config=cfg, progress=False)
+    state = get_state(qf.program, "t")
+    assert "L/dot_general" in state.act_absmax and not state.act  # scales stay dynamic
+    with pytest.raises(Q.QuantizeError, match="smoothing measures"):
+        Q.quantize(layer, config=cfg, example_args=(X,))
+
+
 def test_smoothing_validation():
     with pytest.raises(ValueError, match="needs quantized activations"):
         QConfig(activations=None, smoothing=0.5)

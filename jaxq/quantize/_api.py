@@ -403,11 +403,13 @@ def quantize(
             ) from None
         batches = itertools.chain([first], it)
     gptq = config.weight_calibration == "gptq"
-    needs_data = (config.activations is not None and not config.dynamic) or gptq
-    if batches is None and gptq:
+    smooth = config.smoothing is not None
+    needs_data = (config.activations is not None and not config.dynamic) or gptq or smooth
+    if batches is None and (gptq or smooth):
+        what = "weight_calibration='gptq' chooses weight codes" if gptq else "smoothing measures"
         raise QuantizeError(
-            "quantize: weight_calibration='gptq' chooses weight codes from calibration data.\n"
-            "Pass calibration=[(x1,), (x2,), ...], or use weight_calibration='minmax' or 'mse'."
+            f"quantize: {what} from calibration data.\n"
+            "Pass calibration=[(x1,), (x2,), ...]."
         )
     if batches is None and needs_data:
         raise QuantizeError(

@@ -54,8 +54,8 @@ def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
 def _observed_keys(state: QState) -> list[tuple[str, Site]]:
     keys = []
     for name, site in state.sites.items():
-        if site.activations is None or site.in_loop:
-            continue
+        if site.activations is None or site.in_loop or state.config.dynamic:
+            continue  # (dynamic scales are computed at run time)
         keys.append((name, site))
         if state.config.requantize == "fixed_point":
             keys.append((name + ":out", site))
