@@ -408,8 +408,7 @@ def quantize(
     if batches is None and (gptq or smooth):
         what = "weight_calibration='gptq' chooses weight codes" if gptq else "smoothing measures"
         raise QuantizeError(
-            f"quantize: {what} from calibration data.\n"
-            "Pass calibration=[(x1,), (x2,), ...]."
+            f"quantize: {what} from calibration data.\nPass calibration=[(x1,), (x2,), ...]."
         )
     if batches is None and needs_data:
         raise QuantizeError(
