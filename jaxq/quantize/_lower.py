@@ -368,12 +368,12 @@ def act_qparams(
     if params is not None:  # host constants: scale arithmetic folds in numpy
         return np.float32(params.scale), np.float32(params.zero_point)
     xf = lax.stop_gradient(x.astype(jnp.float32))
-    if scheme.granularity == "token":
-        ax = site.reduce_axes
-        return range_to_qparams(
-            jnp.min(xf, ax, keepdims=True), jnp.max(xf, ax, keepdims=True), scheme
-        )
-    return range_to_qparams(jnp.min(xf), jnp.max(xf), scheme)
+    ax = site.reduce_axes if scheme.granularity == "token" else None
+    keep = scheme.granularity == "token"
+    if scheme.symmetric:  # one reduction: the scale only needs max|x| (signed) or max(x)
+        hi = jnp.max(jnp.abs(xf) if scheme.signed else xf, ax, keepdims=keep)
+        return range_to_qparams(-hi if scheme.signed else jnp.zeros_like(hi), hi, scheme)
+    return range_to_qparams(jnp.min(xf, ax, keepdims=keep), jnp.max(xf, ax, keepdims=keep), scheme)
 
 
 def fake_quant_act(
