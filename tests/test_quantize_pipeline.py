@@ -631,3 +631,42 @@ def test_dimension_numbers_and_conv_variants(case, asym_weights):
     out_r, out_s = np.asarray(r(x)), np.asarray(s(x))
     np.testing.assert_allclose(out_r, out_s, atol=1e-5 * max(1.0, np.abs(ref).max()))
     assert np.abs(out_r - ref).max() < 0.05 * np.abs(ref).max()
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    st.sampled_from([("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW"), ("NHWC", "OIHW", "NCHW")]),
+    st.tuples(st.integers(1, 3), st.integers(1, 2)),  # kernel size
+    st.tuples(st.integers(1, 2), st.integers(1, 2)),  # strides
+    st.tuples(st.integers(1, 2), st.integers(1, 2)),  # rhs dilation
+    st.sampled_from(["SAME", "VALID", ((1, 0), (0, 2))]),
+    st.sampled_from([1, 3]),  # feature groups
+    st.booleans(),  # asymmetric activations (zero-point and border terms)
+    st.booleans(),  # asymmetric weights
+    st.integers(0, 2**16),
+)
+def test_convolutions_in_any_layout(dn, ksize, strides, rdil, pad, groups, asym, wasym, seed):
+    # channels-last runs the s8 kernel; other layouts carry exact integer sums in f32
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2, 7, 6, 3)).astype(np.float32)  # NHWC
+    w = (rng.normal(size=(*ksize, 3 // groups, 6)) * 0.4).astype(np.float32)  # HWIO
+    x = np.transpose(x, ["NHWC".index(c) for c in dn[0]])
+    w = np.transpose(w, ["HWIO".index(c) for c in dn[1]])
+
+    def f(v):
+        with jax.named_scope("C"):
+            return lax.conv_general_dilated(
+                v, w, strides, pad, rhs_dilation=rdil, dimension_numbers=dn,
+                feature_group_count=groups,
+            )  # fmt: skip
+
+    cfg = QConfig(
+        weights=Scheme(granularity="channel", symmetric=not wasym),
+        activations=Scheme(symmetric=not asym),
+    )
+    r, s = both(f, [(x,)], cfg)
+    out_r, out_s = np.asarray(r(x)), np.asarray(s(x))
+    np.testing.assert_allclose(out_r, out_s, atol=1e-5 * max(1.0, np.abs(out_s).max()))
+    text = str(r.program)
+    assert "int8" in text
+    assert ("preferred_element_type=int32" in text) == (dn[0] == "NHWC" and dn[1] == "HWIO")
