@@ -80,16 +80,41 @@ def test_gptq_end_to_end(activations):
     assert np.sum((out["gptq"] - ref) ** 2) < np.sum((out["minmax"] - ref) ** 2)
 
 
-def test_gptq_leaves_convolutions_to_minmax():
-    from test_quantize_pipeline import XI, cnn
+@pytest.mark.parametrize("dn", [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")])
+def test_gptq_convolutions(dn):
+    # the kernel's contracted axes (window, input channel) in any layout match the patch moments
+    rng = np.random.default_rng(2)
+    base = rng.normal(size=(8, 6, 6, 1))
+    x = (np.repeat(base, 4, axis=-1) + 0.1 * rng.normal(size=(8, 6, 6, 4))).astype(np.float32)
+    w = rng.normal(size=(3, 3, 4, 5)).astype(np.float32)
+    x = np.transpose(x, ["NHWC".index(c) for c in dn[0]])
+    w = np.transpose(w, ["HWIO".index(c) for c in dn[1]])
 
+    def conv(v, groups=1):
+        with jax.named_scope("C"):
+            return jax.lax.conv_general_dilated(
+                v, w, (1, 2), "SAME", dimension_numbers=dn, feature_group_count=groups
+            )
+
+    ref = np.asarray(conv(x))
+    err = {}
+    for method in ("minmax", "gptq"):
+        cfg = QConfig(
+            weights=Scheme(bits=4, granularity="channel"),
+            activations=None,
+            weight_calibration=method,
+        )
+        r = Q.quantize(conv, calibration=[(x,)], config=cfg, progress=False)
+        s = Q.quantize(conv, calibration=[(x,)], config=cfg, mode="simulate", progress=False)
+        np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), rtol=1e-5, atol=1e-4)
+        assert get_state(r.program, "t").weights["C/conv_general_dilated"].method == method
+        err[method] = np.sum((np.asarray(r(x)) - ref) ** 2)
+    assert err["gptq"] < 0.8 * err["minmax"]
+    # a grouped (depthwise) convolution keeps minmax codes
+    w = w[..., :1, :4] if dn[1] == "HWIO" else w[:4, :1]
     cfg = QConfig(activations=None, weight_calibration="gptq")
-    qf = Q.quantize(cnn, calibration=[(XI,)], config=cfg, progress=False)
-    methods = {k: v.method for k, v in get_state(qf.program, "test").weights.items()}
-    assert methods == {
-        "CNN/Conv_0/conv_general_dilated": "minmax",
-        "CNN/Dense_0/dot_general": "gptq",
-    }
+    qf = Q.quantize(lambda v: conv(v, groups=4), calibration=[(x,)], config=cfg, progress=False)
+    assert get_state(qf.program, "t").weights["C/conv_general_dilated"].method == "minmax"
 
 
 def test_gptq_needs_calibration():

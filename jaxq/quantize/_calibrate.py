@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -69,6 +70,48 @@ def _gram(a: jax.Array, axis: int) -> jax.Array:
     return jnp.dot(x.T, x, precision=lax.Precision.HIGHEST)
 
 
+CONV_PATCHES_MAX = 2**25
+"""Largest patch matrix (elements per calibration batch) built for a convolution's GPTQ."""
+
+
+def _conv_gram(visit: Any, site: Site, a: jax.Array) -> jax.Array | None:
+    """``P^T P`` over a convolution's input patches, rows and columns in the order of the kernel's
+    contracted axes flattened (as GPTQ sees the kernel); None for grouped convolutions or a
+    patch matrix above ``CONV_PATCHES_MAX`` (those keep minmax codes)."""
+    p = visit.params
+    if site.primitive != "conv_general_dilated" or p["feature_group_count"] != 1:
+        return None
+    dn = p["dimension_numbers"]
+    w_shape = visit.eqn.invars[site.weight_index].aval.shape
+    if site.channel_axis != dn.rhs_spec[0] or p["batch_group_count"] != 1:
+        return None
+    window = tuple(w_shape[d] for d in dn.rhs_spec[2:])
+    out_shape = visit.eqn.outvars[0].aval.shape
+    k = math.prod(w_shape) // w_shape[site.channel_axis]
+    if math.prod(out_shape) // out_shape[dn.out_spec[1]] * k > CONV_PATCHES_MAX:
+        return None
+    patches = lax.conv_general_dilated_patches(
+        a.astype(jnp.float32),
+        window,
+        p["window_strides"],
+        p["padding"],
+        p["lhs_dilation"],
+        p["rhs_dilation"],
+        dn,
+        precision=lax.Precision.HIGHEST,
+    )  # features ordered (input channel, window position)
+    patches = jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, k)
+    coords = dict(
+        zip(site.contract_axes, np.indices([w_shape[d] for d in site.contract_axes]), strict=True)
+    )
+    spatial = [coords[d].reshape(-1) for d in dn.rhs_spec[2:]]
+    order = coords[dn.rhs_spec[1]].reshape(-1) * math.prod(window) + np.ravel_multi_index(
+        spatial, window
+    )
+    g = jnp.dot(patches.T, patches, precision=lax.Precision.HIGHEST)
+    return g[order][:, order]
+
+
 def _observer_fn(
     state: QState, source: Program, histogram: bool, gptq: bool, absmax: bool
 ) -> Callable[..., Any]:
@@ -90,8 +133,10 @@ def _observer_fn(
                     x = jnp.moveaxis(jnp.abs(a.astype(jnp.float32)), axis, -1)
                     stats[site.name + ":absmax"] = jnp.max(x.reshape(-1, x.shape[-1]), axis=0)
                 return y
-            if gptq and axis is not None:
-                stats[site.name + ":gram"] = _gram(a, axis)
+            if gptq:
+                gram = _gram(a, axis) if axis is not None else _conv_gram(visit, site, a)
+                if gram is not None:
+                    stats[site.name + ":gram"] = gram
             if site.activations is not None:
                 stats[site.name] = batch_stats(a, radii.get(site.name))
                 out_key = site.name + ":out"

@@ -15,6 +15,7 @@ their bodies.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
@@ -253,7 +254,8 @@ def quantize_weight(
 ) -> QWeight:
     """Quantize a weight once, with ``simulated_quantize``'s arithmetic (eagerly). ``method``:
     how scales and codes are chosen (``QConfig.weight_calibration``); ``"gptq"`` needs ``gram``,
-    the second moment of the activation over the contracted axis (else minmax)."""
+    the second moment of the activation over the weight's contracted axes flattened in order
+    (else minmax)."""
     s = site.weights
     with jax.ensure_compile_time_eval():
         wf = jnp.asarray(w, jnp.float32)
@@ -293,11 +295,15 @@ def quantize_weight(
             method="mse" if method == "mse" else "minmax",
         )
         if method == "gptq" and gram is not None:
-            (k_axis,) = site.contract_axes
-            perm = [k_axis] + [d for d in range(wf.ndim) if d != k_axis]
+            # rows: the contracted axes flattened in order (the order of ``gram``)
+            perm = [
+                *site.contract_axes,
+                *(d for d in range(wf.ndim) if d not in site.contract_axes),
+            ]
+            k = math.prod(wf.shape[d] for d in site.contract_axes)
             to_2d = lambda v: np.transpose(
                 np.broadcast_to(np.asarray(v, np.float64), wf.shape), perm
-            ).reshape(wf.shape[k_axis], -1)
+            ).reshape(k, -1)
             q = gptq_codes(to_2d(wf), to_2d(scales.scale), to_2d(full_zp), s.qrange, gram, damp)
             q = np.transpose(q.reshape([wf.shape[d] for d in perm]), np.argsort(perm))
             return dataclasses.replace(scales, codes=(q + off).astype(np.int8), method="gptq")
