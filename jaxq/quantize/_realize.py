@@ -33,6 +33,7 @@ from jaxq._walk import Visit
 from jaxq.quantize import _fixed_point as F
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import (
+    QUANTIZABLE,
     QState,
     QTensor,
     QuantizeError,
@@ -411,15 +412,17 @@ def _int_conv(
 
 
 def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> jax.Array:
-    """A float dot / convolution on the stored codes. A symmetric per-tensor or per-channel scale
-    multiplies the (smaller) output instead of the weight, so the weight's only per-call work is
-    one fused unpack-and-convert; otherwise the weight is dequantized as simulated."""
+    """A float dot / convolution on the stored codes. Where the output is smaller than the weight
+    (matmuls at small batch), a symmetric per-tensor or per-channel scale multiplies the output
+    instead, so the weight's only per-call work is one fused unpack-and-convert; otherwise (a
+    convolution's kernel is small) the weight is dequantized as simulated."""
     wi = site.weight_index
     w_dtype = jnp.asarray(invals[wi]).dtype
     new = list(invals)
     w = weight_codes(qw).astype(jnp.float32)
     symmetric = not np.any(qw.zero_point != 0) and site.weights.granularity != "group"
-    if not symmetric or site.primitive not in ("dot_general", "conv_general_dilated"):
+    out_smaller = shaped_aval(visit.eqn.outvars[0]).size < qw.codes.size
+    if not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
         if np.any(qw.zero_point != 0):
             w = w - qw.zero_point.astype(np.float32)
         new[wi] = (w * qw.scale).astype(w_dtype)  # (q - zp) * s, as simulated
