@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -90,6 +90,16 @@ def read_atom(atom: Any, env: dict[Var, Any]) -> Any:
 
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
+
+
+def use_counts(eqns: Iterable[JaxprEqn], outvars: Iterable[Any]) -> dict[Var, int]:
+    """How many times each variable is read by ``eqns`` and ``outvars`` (literals aside)."""
+    uses: dict[Var, int] = {}
+    for atoms in (*(e.invars for e in eqns), outvars):
+        for v in atoms:
+            if not is_literal(v):
+                uses[v] = uses.get(v, 0) + 1
+    return uses
 
 
 def is_dropvar(atom: Any) -> bool:

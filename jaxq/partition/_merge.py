@@ -119,16 +119,8 @@ def _rebuild(program: Program, an: Any, node_of: list[int], find: Callable[[int]
     if not drop_begin:
         return program
     # an end whose every use is a dropped begin goes too
-    live_uses: dict[Any, int] = {}
-    for i, eqn in enumerate(eqns):
-        if i in drop_begin:
-            continue
-        for v in eqn.invars:
-            if not C.is_literal(v):
-                live_uses[v] = live_uses.get(v, 0) + 1
-    for v in jaxpr.outvars:
-        if not C.is_literal(v):
-            live_uses[v] = live_uses.get(v, 0) + 1
+    live = (eqn for i, eqn in enumerate(eqns) if i not in drop_begin)
+    live_uses = C.use_counts(live, jaxpr.outvars)
     out = []
     for i, eqn in enumerate(eqns):
         if i in drop_begin:

@@ -587,17 +587,8 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
     activation operand of a statically quantized equation: they run on int8 codes in realize."""
     jaxpr = source.jaxpr.jaxpr
     names = source.names
-    producer: dict[Any, int] = {}
-    uses: dict[Any, int] = {}
-    for i, e in enumerate(jaxpr.eqns):
-        for v in e.outvars:
-            producer[v] = i
-        for v in e.invars:
-            if not C.is_literal(v):
-                uses[v] = uses.get(v, 0) + 1
-    for v in jaxpr.outvars:
-        if not C.is_literal(v):
-            uses[v] = uses.get(v, 0) + 1
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    uses = C.use_counts(jaxpr.eqns, jaxpr.outvars)
     chains: dict[str, str] = {}
     for i, e in enumerate(jaxpr.eqns):
         name = names[(i,)]

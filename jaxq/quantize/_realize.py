@@ -346,7 +346,7 @@ def _int_conv(
         shape[dn.out_spec[0]] = -1
         return _xp(v).reshape(v, shape)
 
-    def conv(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    def conv(lhs: jax.Array, rhs: jax.Array, out_dtype: Any = jnp.int32) -> jax.Array:
         return lax.conv_general_dilated(
             lhs,
             rhs,
@@ -358,7 +358,7 @@ def _int_conv(
             p["feature_group_count"],
             1,
             None,
-            preferred_element_type=jnp.int32,
+            preferred_element_type=out_dtype,
         )
 
     if exact_f32 and not _channels_last(dn):
@@ -371,16 +371,8 @@ def _int_conv(
             q.astype(jnp.float32)
             - (np.asarray(z, np.float32) if _host(z) else z.astype(jnp.float32))
         )
-        acc = lax.conv_general_dilated(
-            centered(qa, za_s),  # (a per-sample zero point is shaped like the input already)
-            centered(wq, qw.zero_point),
-            p["window_strides"],
-            padding,
-            lhs_dil,
-            p["rhs_dilation"],
-            dn,
-            p["feature_group_count"],
-        )
+        # (a per-sample zero point is shaped like the input already)
+        acc = conv(centered(qa, za_s), centered(wq, qw.zero_point), None)
         w_scale = qw.scale.reshape(-1) if qw.scale.size > 1 else qw.scale.reshape(())
         return acc, per_sample(sa) * per_channel(w_scale)
     acc = conv(qa, wq)
