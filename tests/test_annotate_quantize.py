@@ -165,6 +165,22 @@ def test_half_up_is_exact_below_one_half():
         assert float(A.simulated_quantize(-x, 1.0, rounding=rounding)) == 0.0
 
 
+def test_eager_numpy_input_matches_jit_on_a_tie():
+    # float32 1.4262407 / 0.028812943 is exactly 49.5, but XLA divides by a broadcast scale as
+    # x * (1 / s) = 49.499996: an eager call on numpy arrays must not take numpy's divide.
+    x = np.full(8, 1.4262407, np.float32)
+    scale = np.float32(0.028812943)
+    assert x[0] / scale == np.float32(49.5)
+    p = A.simulated_quantize_p
+    params = dict(
+        bits=8, signed=True, kind="activation", rounding="nearest_even", axis=None,
+        group_size=None, narrow_range=False, ste="identity",
+    )  # fmt: skip
+    eager = p.bind(x, scale, np.float32(0), **params)
+    jitted = jax.jit(lambda v: p.bind(v, scale, np.float32(0), **params))(x)
+    np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
+
+
 @given(configs())
 def test_idempotent(config):
     x, scale, zp, params = config

@@ -89,6 +89,9 @@ def _fake_quant(
     """The value of `simulated_quantize`: its eager impl and its lowering, from core ops only."""
     del kind, ste  # metadata for passes and for the gradient; they do not change the value
     qmin, qmax = quant_range(bits, signed, narrow_range)
+    # jnp even for numpy inputs (eager calls): XLA divides by a broadcast scale as x * (1 / s),
+    # which numpy's correctly rounded divide differs from by one code at exact ties.
+    x, scale, zero_point = jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zero_point)
     s = _expand(scale, x.ndim, axis, group_size)
     zp = _expand(zero_point, x.ndim, axis, group_size)
     q = jnp.clip(_ROUND[rounding](x.astype(s.dtype) / s) + zp, qmin, qmax)
