@@ -210,6 +210,14 @@ def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
     return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
 
 
+def int8_codes(q: jax.Array) -> jax.Array:
+    """Float codes (integers in the int8 range) as int8, converted through int32: XLA:CPU's YNN
+    fusion would otherwise pull a direct f32 -> s8 convert into the next kernel, and the loop
+    fusion before it would write the codes as f32 (4x the bytes; measured 20-25% slower for a
+    requantize feeding a pooled int8 matmul)."""
+    return q.astype(jnp.int32).astype(jnp.int8)
+
+
 def storage_offset(scheme: Scheme) -> int:
     """Shift that moves unsigned codes into the signed range (u8 never takes XLA's fast path)."""
     return 0 if scheme.signed else -(2 ** (scheme.bits - 1))
@@ -665,7 +673,7 @@ class Engine:
             zp = np.float32(params.zero_point)
             q = codes(x, np.float32(params.scale), zp, scheme)
             x = QTensor(
-                (q + off if off else q).astype(jnp.int8),
+                int8_codes(q + off if off else q),
                 np.float32(params.scale),
                 np.int32(params.zero_point + off),
             )

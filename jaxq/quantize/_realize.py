@@ -43,6 +43,7 @@ from jaxq.quantize._lower import (
     act_qparams,
     codes,
     get_state,
+    int8_codes,
     lower,
     shaped_aval,
     storage_offset,
@@ -182,7 +183,8 @@ def _quantize_act(
         return a.codes.astype(dtype), a.zero_point
     off = storage_offset(scheme)
     q = codes(a, sa, za, scheme)
-    qa = (q + off if off else q).astype(dtype)
+    q = q + off if off else q
+    qa = int8_codes(q) if dtype == jnp.int8 else q.astype(dtype)
     za_s = za + off
     return qa, (np.int32(za_s) if _host(za) else za_s.astype(jnp.int32))
 
