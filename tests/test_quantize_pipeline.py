@@ -18,6 +18,7 @@ import jaxq.quantize as Q
 from jaxq.annotate import simulated_quantize
 from jaxq.quantize import QConfig, QuantizeError, Rule, Scheme
 from jaxq.quantize._lower import get_state
+from jaxq.quantize._realize import CONV_TAPS_MAX
 
 RNG = np.random.default_rng(0)
 W1 = (RNG.normal(size=(16, 24)) * 0.3).astype(np.float32)
@@ -646,7 +647,8 @@ def test_dimension_numbers_and_conv_variants(case, asym_weights):
     st.integers(0, 2**16),
 )
 def test_convolutions_in_any_layout(dn, ksize, strides, rdil, pad, groups, asym, wasym, seed):
-    # channels-last runs the s8 kernel; other layouts carry exact integer sums in f32
+    # channels-last runs the s8 kernel; other layouts, and convolutions with few products per
+    # output (a sum of shifted slices), carry exact integer sums in f32
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(2, 7, 6, 3)).astype(np.float32)  # NHWC
     w = (rng.normal(size=(*ksize, 3 // groups, 6)) * 0.4).astype(np.float32)  # HWIO
@@ -669,4 +671,27 @@ def test_convolutions_in_any_layout(dn, ksize, strides, rdil, pad, groups, asym,
     np.testing.assert_allclose(out_r, out_s, atol=1e-5 * max(1.0, np.abs(out_s).max()))
     text = str(r.program)
     assert "int8" in text
-    assert ("preferred_element_type=int32" in text) == (dn[0] == "NHWC" and dn[1] == "HWIO")
+    by_taps = groups == 1 and ksize[0] * ksize[1] * 3 <= CONV_TAPS_MAX
+    channels_last = dn[0] == "NHWC" and dn[1] == "HWIO"
+    assert ("preferred_element_type=int32" in text) == (channels_last and not by_taps)
+
+
+@pytest.mark.parametrize("channels", [1, 2])  # 9 products per output (by taps), 18 (a kernel)
+@pytest.mark.parametrize("dn", [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")])
+def test_few_input_channels_run_as_shifted_slices(channels, dn):
+    rng = np.random.default_rng(channels)
+    x = rng.normal(size=(3, 9, 8, channels)).astype(np.float32)
+    w = (rng.normal(size=(3, 3, channels, 5)) * 0.4).astype(np.float32)
+    x = np.transpose(x, ["NHWC".index(c) for c in dn[0]])
+    w = np.transpose(w, ["HWIO".index(c) for c in dn[1]])
+
+    def f(v):
+        with jax.named_scope("C"):
+            return lax.conv_general_dilated(v, w, (2, 1), ((1, 1), (2, 0)), dimension_numbers=dn)
+
+    cfg = QConfig(activations=Scheme(symmetric=False), weights=Scheme(granularity="channel"))
+    r, s = both(f, [(x,)], cfg)
+    np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), atol=1e-5 * np.abs(f(x)).max())
+    text = str(r.program)
+    by_taps = 9 * channels <= CONV_TAPS_MAX
+    assert ("= conv_general_dilated[" not in text) == by_taps

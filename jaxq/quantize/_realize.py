@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -317,6 +318,37 @@ def _channels_last(dn: Any) -> bool:
     return dn.lhs_spec == act and dn.out_spec == act and dn.rhs_spec == (nsp + 1, nsp, *range(nsp))
 
 
+CONV_TAPS_MAX = 16
+"""A convolution with at most this many products per output (kernel positions x input channels,
+e.g. a 3x3 kernel on one channel) runs as a sum of shifted slices times weight rows, in one fused
+loop: XLA:CPU's convolution kernels are slow for so few input channels."""
+
+
+def _conv_by_taps(x: jax.Array, w: jax.Array, p: Any, out_shape: tuple[int, ...]) -> jax.Array:
+    """``conv_general_dilated`` (no input dilation, one group) as a sum over kernel positions and
+    input channels of strided slices of the padded input times the weight's output-channel row."""
+    dn = p["dimension_numbers"]
+    xc = jnp.transpose(x, dn.lhs_spec)  # [N, C, spatial...]
+    wc = jnp.transpose(w, dn.rhs_spec)  # [O, C, kernel...]
+    out_sp = [out_shape[d] for d in dn.out_spec[2:]]
+    zero = np.zeros((), xc.dtype)
+    xc = lax.pad(xc, zero, [(0, 0, 0), (0, 0, 0), *((lo, hi, 0) for lo, hi in p["padding"])])
+    row_shape = (1, -1) + (1,) * len(out_sp)
+    acc = None
+    strides = p["window_strides"]
+    for c in range(wc.shape[1]):
+        for k in itertools.product(*(range(n) for n in wc.shape[2:])):
+            first = [i * r for i, r in zip(k, p["rhs_dilation"], strict=True)]
+            last = [f + (n - 1) * s for f, n, s in zip(first, out_sp, strides, strict=True)]
+            xs = lax.slice(
+                xc, [0, c, *first], [xc.shape[0], c + 1, *(v + 1 for v in last)], (1, 1, *strides)
+            )
+            term = xs * wc[(slice(None), c, *k)].reshape(row_shape)
+            acc = term if acc is None else acc + term
+    assert acc is not None  # a kernel has at least one position and channel
+    return jnp.transpose(acc, tuple(int(d) for d in np.argsort(dn.out_spec)))
+
+
 def _int_conv(
     visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
 ) -> tuple[jax.Array, Any]:
@@ -332,6 +364,7 @@ def _int_conv(
     # terms are sums over the *real* positions of each window: convolutions of a one-sample mask of
     # ones (constants XLA folds), instead of padding the activations with the zero point.
     borders = any(lo or hi for lo, hi in padding) or any(d != 1 for d in lhs_dil)
+    out_shape = shaped_aval(visit.eqn.outvars[0]).shape
     out_rank = len(dn.out_spec)
 
     def per_channel(v: Any) -> Any:  # a weight-channel vector -> broadcastable to the output
@@ -363,7 +396,11 @@ def _int_conv(
             preferred_element_type=out_dtype,
         )
 
-    if exact_f32 and not _channels_last(dn):
+    taps = math.prod(wq.shape[d] for d in dn.rhs_spec[1:])  # products per output
+    direct = (
+        taps <= CONV_TAPS_MAX and p["feature_group_count"] == 1 and all(d == 1 for d in lhs_dil)
+    )
+    if exact_f32 and (direct or not _channels_last(dn)):
         # XLA:CPU runs an int8 convolution fast only in channels-last layout (NHWC / HWIO); in any
         # other it widens to an s32 loop (measured 155 ms against 3.4 ms, batch 256, 8x8, 3x3,
         # 32 -> 64 channels), and transposing the operands does not help (XLA folds the
@@ -374,7 +411,8 @@ def _int_conv(
             - (np.asarray(z, np.float32) if _host(z) else z.astype(jnp.float32))
         )
         # (a per-sample zero point is shaped like the input already)
-        acc = conv(centered(qa, za_s), centered(wq, qw.zero_point), None)
+        xc, wc = centered(qa, za_s), centered(wq, qw.zero_point)
+        acc = _conv_by_taps(xc, wc, p, out_shape) if direct else conv(xc, wc, None)
         w_scale = qw.scale.reshape(-1) if qw.scale.size > 1 else qw.scale.reshape(())
         return acc, per_sample(sa) * per_channel(w_scale)
     acc = conv(qa, wq)
