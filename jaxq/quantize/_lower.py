@@ -210,12 +210,19 @@ def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
     return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
 
 
+INT8_VIA_INT32_MIN = 2**16
+"""Tensors at least this large reach int8 through int32 (see ``int8_codes``)."""
+
+
 def int8_codes(q: jax.Array) -> jax.Array:
-    """Float codes (integers in the int8 range) as int8, converted through int32: XLA:CPU's YNN
-    fusion would otherwise pull a direct f32 -> s8 convert into the next kernel, and the loop
-    fusion before it would write the codes as f32 (4x the bytes; measured 20-25% slower for a
-    requantize feeding a pooled int8 matmul)."""
-    return q.astype(jnp.int32).astype(jnp.int8)
+    """Float codes (integers in the int8 range) as int8. A large tensor converts through int32:
+    XLA:CPU's YNN fusion would otherwise pull a direct f32 -> s8 convert into the next kernel,
+    and the loop fusion before it would write the codes as f32 (4x the bytes; measured 20-25%
+    faster for a requantize feeding a pooled int8 matmul at batch 256). A small one converts
+    directly: there the convert inside the kernel is cheaper (measured at batch 1)."""
+    if q.size >= INT8_VIA_INT32_MIN:
+        q = q.astype(jnp.int32)
+    return q.astype(jnp.int8)
 
 
 def storage_offset(scheme: Scheme) -> int:
