@@ -647,11 +647,12 @@ def test_dimension_numbers_and_conv_variants(case, asym_weights):
     st.integers(0, 2**16),
 )
 def test_convolutions_in_any_layout(dn, ksize, strides, rdil, pad, groups, asym, wasym, seed):
-    # channels-last runs the s8 kernel; other layouts, and convolutions with few products per
-    # output (a sum of shifted slices), carry exact integer sums in f32
+    # channels-last runs the s8 kernel (18 output channels: wide enough); other layouts, and
+    # convolutions with few products per output (a sum of shifted slices), carry exact integer
+    # sums in f32
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(2, 7, 6, 3)).astype(np.float32)  # NHWC
-    w = (rng.normal(size=(*ksize, 3 // groups, 6)) * 0.4).astype(np.float32)  # HWIO
+    w = (rng.normal(size=(*ksize, 3 // groups, 18)) * 0.4).astype(np.float32)  # HWIO
     x = np.transpose(x, ["NHWC".index(c) for c in dn[0]])
     w = np.transpose(w, ["HWIO".index(c) for c in dn[1]])
 
@@ -695,3 +696,29 @@ def test_few_input_channels_run_as_shifted_slices(channels, dn):
     text = str(r.program)
     by_taps = 9 * channels <= CONV_TAPS_MAX
     assert ("= conv_general_dilated[" not in text) == by_taps
+    assert (
+        "preferred_element_type=int32" not in text
+    )  # 5 output channels: too few for the s8 kernel
+
+
+@pytest.mark.parametrize("pad", ["SAME", ((1, 0), (0, 2))])
+@pytest.mark.parametrize("wasym", [False, True])
+def test_s8_convolution_with_zero_point_borders(pad, wasym):
+    # wide enough for the s8 kernel: padded positions hold code 0, the zero-point terms of the
+    # real positions come from convolutions of a mask
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2, 7, 6, 4)).astype(np.float32)
+    w = (rng.normal(size=(3, 3, 4, 20)) * 0.3).astype(np.float32)
+
+    def f(v):
+        with jax.named_scope("C"):
+            dn = ("NHWC", "HWIO", "NHWC")
+            return lax.conv_general_dilated(v, w, (1, 2), pad, dimension_numbers=dn)
+
+    cfg = QConfig(
+        weights=Scheme(granularity="channel", symmetric=not wasym),
+        activations=Scheme(symmetric=False),
+    )
+    r, s = both(f, [(x,)], cfg)
+    np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), atol=1e-5 * np.abs(f(x)).max())
+    assert "preferred_element_type=int32" in str(r.program)

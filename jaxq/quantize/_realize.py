@@ -318,6 +318,9 @@ def _channels_last(dn: Any) -> bool:
     return dn.lhs_spec == act and dn.out_spec == act and dn.rhs_spec == (nsp + 1, nsp, *range(nsp))
 
 
+S8_CONV_MIN_CHANNELS = 16
+"""XLA:CPU's fast int8 convolution (YNNPACK) needs more input or output channels than this."""
+
 CONV_TAPS_MAX = 16
 """A convolution with at most this many products per output (kernel positions x input channels,
 e.g. a 3x3 kernel on one channel) runs as a sum of shifted slices times weight rows, in one fused
@@ -400,10 +403,12 @@ def _int_conv(
     direct = (
         taps <= CONV_TAPS_MAX and p["feature_group_count"] == 1 and all(d == 1 for d in lhs_dil)
     )
-    if exact_f32 and (direct or not _channels_last(dn)):
-        # XLA:CPU runs an int8 convolution fast only in channels-last layout (NHWC / HWIO); in any
-        # other it widens to an s32 loop (measured 155 ms against 3.4 ms, batch 256, 8x8, 3x3,
-        # 32 -> 64 channels), and transposing the operands does not help (XLA folds the
+    channels = (qa.shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]])
+    if exact_f32 and (direct or not _channels_last(dn) or max(channels) <= S8_CONV_MIN_CHANNELS):
+        # XLA:CPU runs an int8 convolution fast only in channels-last layout (NHWC / HWIO) and
+        # with more than 16 input or output channels; otherwise it widens to an s32 loop
+        # (measured, batch 256, 8x8, 3x3: NCHW 32 -> 64 155 ms against 3.4 ms NHWC; NHWC 16 -> 16
+        # 8.5 ms against 1.6 ms in f32), and transposing the operands does not help (XLA folds the
         # transposes back). The exact integer sums are carried in f32 instead (bound < 2**24):
         # centered codes, so padding is a real zero and no zero-point term is left.
         centered = lambda q, z: (
