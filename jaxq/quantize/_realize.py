@@ -9,7 +9,12 @@
 * ``dot_general`` / ``conv_general_dilated`` run as int8 x int8 -> int32 with the original dimension
   numbers; zero-point terms are expanded as in TVM's QNN lowering
   (``sum((a - za)(w - zw)) = sum(a w) - za sum(w) - zw sum(a) + K za zw``), the weight sums
-  precomputed. A convolution with an activation zero point pads with that zero point explicitly.
+  precomputed. Padded positions of a convolution hold code 0; the zero-point terms of each
+  window's real positions are convolutions of a mask (constants XLA folds).
+* Convolutions XLA:CPU has no fast int8 kernel for carry their exact integer sums in f32 (bound
+  < 2**24): any layout but channels-last, and 16 or fewer channels on both sides; those with at
+  most 16 products per output (a 3x3 kernel on one channel) run as shifted slices times weight
+  rows in one fused loop.
 * Requantize: the int32 accumulator times the float scale ``sa * sw`` (fused by XLA), or an
   integer-only fixed-point multiplier and rounding shift to int8 codes (``_fixed_point``), which are
   then dequantized at the float boundary.
