@@ -30,14 +30,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import digits  # noqa: E402
 
 
-def median_ms(f: Callable[[Any], Any], x: np.ndarray, runs: int) -> float:
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+def median_ms(fs: list[Callable[[Any], Any]], x: np.ndarray, runs: int) -> list[float]:
+    """Median latency of each function, the calls interleaved so that load from elsewhere on the
+    machine falls on all of them alike."""
+    for f in fs:
         jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in fs]
+    for _ in range(runs):
+        for f, ts in zip(fs, times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(ts) for ts in times]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,21 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     acc_f = digits.accuracy(f_jit, data.x_test, data.y_test)
     acc_q = digits.accuracy(q_jit, data.x_test, data.y_test)
     b1, b256 = data.x_test[:1], np.concatenate([data.x_test] * 2)[:256]
+    (f1, q1), (f256, q256) = median_ms([f_jit, q_jit], b1, 300), median_ms([f_jit, q_jit], b256, 50)
     rows = [
-        (
-            "float32",
-            acc_f,
-            median_ms(f_jit, b1, 300),
-            median_ms(f_jit, b256, 50),
-            sum(np.asarray(p).nbytes for p in jax.tree.leaves(params)),
-        ),
-        (
-            "jaxq W8A8",
-            acc_q,
-            median_ms(q_jit, b1, 300),
-            median_ms(q_jit, b256, 50),
-            qf.report().param_bytes,
-        ),
+        ("float32", acc_f, f1, f256, sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))),
+        ("jaxq W8A8", acc_q, q1, q256, qf.report().param_bytes),
     ]
     print(f"{'model':<12}{'accuracy':>10}{'batch 1 ms':>12}{'batch 256 ms':>14}{'param bytes':>13}")
     for name, acc, l1, l256, nbytes in rows:
