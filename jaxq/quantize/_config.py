@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from jaxq.annotate._simulated_quantize import ROUNDINGS
@@ -147,6 +148,17 @@ class Rule:
         return self.pattern is None or re.search(self.pattern, name) is not None
 
 
+def _check_number(
+    field: str, value: Any, interval: str, inside: Callable[[float], bool], alt: str = ""
+) -> None:
+    """A real number (a bool is not one) inside ``interval``; else an error naming the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        what = f"a number in {interval}{alt}" if alt else "a number"
+        raise TypeError(f"QConfig: {field} must be {what}; got {value!r}")
+    if not inside(value):
+        raise ValueError(f"QConfig: {field} must be in {interval}; got {value}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QConfig:
     """What to quantize and how.
@@ -199,10 +211,7 @@ class QConfig:
             raise ValueError(
                 f"QConfig: calibration must be one of {CALIBRATIONS}; got {self.calibration!r}"
             )
-        if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)):
-            raise TypeError(f"QConfig: percentile must be a number; got {self.percentile!r}")
-        if not 0 < self.percentile <= 100:
-            raise ValueError(f"QConfig: percentile must be in (0, 100]; got {self.percentile}")
+        _check_number("percentile", self.percentile, "(0, 100]", lambda v: 0 < v <= 100)
         if self.requantize not in REQUANTIZE:
             raise ValueError(
                 f"QConfig: requantize must be one of {REQUANTIZE}; got {self.requantize!r}"
@@ -219,17 +228,9 @@ class QConfig:
                 f"QConfig: weight_calibration must be one of {WEIGHT_CALIBRATIONS}; got "
                 f"{self.weight_calibration!r}"
             )
-        if isinstance(self.gptq_damp, bool) or not isinstance(self.gptq_damp, (int, float)):
-            raise TypeError(f"QConfig: gptq_damp must be a number; got {self.gptq_damp!r}")
-        if not 0 < self.gptq_damp <= 10:
-            raise ValueError(f"QConfig: gptq_damp must be in (0, 10]; got {self.gptq_damp}")
+        _check_number("gptq_damp", self.gptq_damp, "(0, 10]", lambda v: 0 < v <= 10)
         if self.smoothing is not None:
-            if isinstance(self.smoothing, bool) or not isinstance(self.smoothing, (int, float)):
-                raise TypeError(
-                    f"QConfig: smoothing must be a number in [0, 1] or None; got {self.smoothing!r}"
-                )
-            if not 0 <= self.smoothing <= 1:
-                raise ValueError(f"QConfig: smoothing must be in [0, 1]; got {self.smoothing}")
+            _check_number("smoothing", self.smoothing, "[0, 1]", lambda v: 0 <= v <= 1, " or None")
             if self.activations is None:
                 raise ValueError(
                     "QConfig: smoothing moves activation outliers into the weights; it needs "
