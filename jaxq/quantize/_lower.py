@@ -322,10 +322,9 @@ def quantize_weight(
             q = gptq_codes(to_2d(wf), to_2d(scales.scale), to_2d(full_zp), s.qrange, gram, damp)
             q = np.transpose(q.reshape([wf.shape[d] for d in perm]), np.argsort(perm))
             return dataclasses.replace(scales, codes=(q + off).astype(np.int8), method="gptq")
-        # The codes are read back from the simulated value itself: XLA:CPU's f32 divide is not
-        # correctly rounded, so recomputing round(w / s) elsewhere could differ by one code.
-        # Both the simulated program (whose constants are numpy arrays) and this call divide in
-        # numpy, because the weight is handed over as a numpy array.
+        # The codes are read back from the simulated value itself: XLA divides by a broadcast
+        # scale as w * (1 / s), so recomputing round(w / s) elsewhere (in numpy) could differ by
+        # one code at a tie.
         fq = np.asarray(fake_quant_weight(np.asarray(wf), scales, site), np.float64)
         q = np.rint(fq / scales.scale) + (scales.zero_point - off)
     return dataclasses.replace(scales, codes=(q + off).astype(np.int8))

@@ -364,7 +364,6 @@ def _int_conv(
     dn = p["dimension_numbers"]
     scheme = site.activations
     assert scheme is not None  # realize_handler lowers only sites with activation schemes
-    qa, za_s = _quantize_act(a, scheme, sa, za)
     wq = weight_codes(qw)
     padding, lhs_dil = p["padding"], p["lhs_dilation"]
     zp_a = not (scheme.symmetric and scheme.signed)
@@ -408,8 +407,13 @@ def _int_conv(
     direct = (
         taps <= CONV_TAPS_MAX and p["feature_group_count"] == 1 and all(d == 1 for d in lhs_dil)
     )
-    channels = (qa.shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]])
-    if exact_f32 and (direct or not _channels_last(dn) or max(channels) <= S8_CONV_MIN_CHANNELS):
+    a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
+    channels = (a_shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]])
+    f32_carry = exact_f32 and (
+        direct or not _channels_last(dn) or max(channels) <= S8_CONV_MIN_CHANNELS
+    )
+    qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32 if f32_carry else jnp.int8)
+    if f32_carry:
         # XLA:CPU runs an int8 convolution fast only in channels-last layout (NHWC / HWIO) and
         # with more than 16 input or output channels; otherwise it widens to an s32 loop
         # (measured, batch 256, 8x8, 3x3: NCHW 32 -> 64 155 ms against 3.4 ms NHWC; NHWC 16 -> 16
