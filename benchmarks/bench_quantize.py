@@ -188,7 +188,7 @@ def run(reps: int) -> list[dict]:
         calib = [(xtr[i : i + 128],) for i in range(0, 1024, 128)]
         variants = {"float": f}
         for label, cfg in CONFIGS.items():
-            variants[label] = Q.quantize(f, calibration=calib, config=cfg, progress=False)
+            variants[label] = Q(f, calibration=calib, config=cfg, progress=False)
         lat1 = latencies_us(variants, xte[:1], rounds=reps // 10, calls=50)
         lat256 = latencies_us(variants, xte[:256], rounds=reps // 10, calls=5)
         for label, fn in variants.items():

@@ -2,7 +2,6 @@
 
 from jaxq import annotate as annotate
 from jaxq import partition as partition
-from jaxq import quantize as quantize  # a package you can call: jaxq.quantize(f, ...)
 from jaxq import transform as transform
 from jaxq._program import Equation as Equation
 from jaxq._program import Program as Program
@@ -15,9 +14,11 @@ from jaxq._sharding import constant_shardings as constant_shardings
 from jaxq._sharding import split_constants as split_constants
 from jaxq._taps import intermediates as intermediates
 from jaxq.partition import build as build
+from jaxq.quantize import QArray as QArray
 from jaxq.quantize import QConfig as QConfig
 from jaxq.quantize import QuantizedFunction as QuantizedFunction
 from jaxq.quantize import Rule as Rule
 from jaxq.quantize import Scheme as Scheme
+from jaxq.quantize import quantize as quantize  # a function, and the namespace of its passes
 
 __version__ = "0.1.0"

@@ -80,9 +80,11 @@ class _Walker:
         layouts: Mapping[Any, str],
         recurse: bool,
         scope: str,
+        coerce: Callable[[Any], Any] | None = None,
     ) -> None:
         self.rules = {getattr(k, "name", k): r for k, r in rules.items()}
         self.names, self.layouts, self.recurse, self.scope = names, layouts, recurse, scope
+        self.coerce = coerce
 
     def retrace(self, closed: C.ClosedJaxpr, path: Path) -> C.ClosedJaxpr:
         def fun(*args: Any) -> list[Any]:
@@ -133,6 +135,8 @@ class _Walker:
 
     def default(self, visit: Visit, invals: list[Any], params: dict[str, Any]) -> list[Any]:
         eqn = visit.eqn
+        if self.coerce is not None:
+            invals = [self.coerce(v) for v in invals]
         subs = C.subjaxpr_params(params) if self.recurse else []
         if not subs:
             return C.bind(eqn, invals, params)
@@ -176,13 +180,41 @@ def rewrite(
 
 
 def interpret(
-    program: Program, rules: Mapping[Any, Rule], *flat_args: Any, scope: str = "rewrite"
+    program: Program,
+    rules: Mapping[Any, Rule],
+    *flat_args: Any,
+    scope: str = "rewrite",
+    coerce: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
     """Evaluate ``program`` on flat arguments through ``rules`` without re-tracing it, inside
-    whatever trace is current (e.g. in ``jax.jit`` to compute statistics). Returns flat outputs."""
-    walker = _Walker(rules, program.names, program.layouts or {}, True, scope)
+    whatever trace is current (e.g. in ``jax.jit`` to compute statistics). Returns flat outputs.
+
+    ``flat_args`` may hold values of a pass's own types (a quantized weight) that only its rules
+    understand; ``coerce`` turns them into arrays wherever an equation without a rule (or the
+    program's output) receives one."""
+    walker = _Walker(rules, program.names, program.layouts or {}, True, scope, coerce)
     closed = program.jaxpr
-    return walker.eval(closed.jaxpr, closed.consts, list(flat_args), ())
+    outs = walker.eval(closed.jaxpr, closed.consts, list(flat_args), ())
+    return outs if coerce is None else [coerce(v) for v in outs]
+
+
+def retrace(
+    program: Program,
+    rules: Mapping[Any, Rule],
+    in_avals: Sequence[Any],
+    make_inputs: Callable[[Sequence[Any]], Sequence[Any]],
+    *,
+    scope: str = "rewrite",
+    coerce: Callable[[Any], Any] | None = None,
+) -> C.ClosedJaxpr:
+    """Re-trace ``program`` through ``rules`` with a new calling convention: the result takes
+    ``in_avals``, and ``make_inputs(flat)`` maps them to the values of the program's inputs (e.g.
+    quantized weights in place of float ones). See :func:`interpret` for ``coerce``."""
+
+    def fun(*flat: Any) -> list[Any]:
+        return interpret(program, rules, *make_inputs(flat), scope=scope, coerce=coerce)
+
+    return C.trace_flat(fun, list(in_avals))
 
 
 def map_equations(

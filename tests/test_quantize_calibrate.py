@@ -84,7 +84,7 @@ def test_methods_end_to_end_and_streaming_minmax():
 
 def test_calibration_batches_of_other_shapes_and_progress(capsys):
     cal = [(RNG.normal(size=(n, 8)).astype(np.float32),) for n in (5, 3, 5)]
-    qf = Q.quantize(layer, calibration=cal, progress=True)
+    qf = Q(layer, calibration=cal, progress=True)
     assert get_state(qf.program, "t").calibration["batches"] == 3
     assert "jaxq calibrate" in capsys.readouterr().err
     assert qf(cal[1][0]).shape == (3, 4)
@@ -92,7 +92,7 @@ def test_calibration_batches_of_other_shapes_and_progress(capsys):
 
 def test_dynamic_needs_no_calibration():
     x = RNG.normal(size=(4, 8)).astype(np.float32)
-    qf = Q.quantize(layer, config=QConfig(dynamic=True), example_args=(x,), progress=False)
+    qf = Q(layer, config=QConfig(dynamic=True), example_args=(x,), progress=False)
     row = qf.report().layers[0]
     assert row.activations.endswith("dynamic") and row.activation_scale is None
     np.testing.assert_allclose(np.asarray(qf(x)), np.asarray(layer(x)), atol=0.05)

@@ -51,8 +51,8 @@ def cnn(x):
 
 def both(f, cal, config, **kw):
     kw.setdefault("progress", False)
-    r = Q.quantize(f, calibration=cal, config=config, **kw)
-    s = Q.quantize(f, calibration=cal, config=config, mode="simulate", **kw)
+    r = Q(f, calibration=cal, config=config, **kw)
+    s = Q(f, calibration=cal, config=config, mode="simulate", **kw)
     return r, s
 
 
@@ -109,7 +109,7 @@ def test_realized_equals_integer_reference_exactly(m, act, gran, wsym, seed):
             return v @ w
 
     wscheme = Scheme(granularity=gran, symmetric=wsym, rounding=act.rounding)
-    qf = Q.quantize(
+    qf = Q(
         layer, calibration=[(x,)], config=QConfig(weights=wscheme, activations=act), progress=False
     )
     state = get_state(qf.program, "test")
@@ -197,7 +197,7 @@ def test_simulated_error_within_half_scale(scheme, seed):
         with jax.named_scope("L"):
             return v @ np.eye(16, dtype=np.float32)
 
-    qf = Q.quantize(
+    qf = Q(
         ident,
         calibration=[(x,)],
         config=QConfig(activations=scheme, weights=Scheme(granularity="channel")),
@@ -214,7 +214,7 @@ def test_simulated_error_within_half_scale(scheme, seed):
 
 
 def test_qat_gradient_equals_ste_reference():
-    qs = Q.quantize(mlp, calibration=[(X,)], mode="simulate", progress=False)
+    qs = Q(mlp, calibration=[(X,)], mode="simulate", progress=False)
     g = np.asarray(jax.grad(lambda x: qs(x).sum())(X))
     state = get_state(qs.program, "t")
     wq = {
@@ -242,7 +242,7 @@ def _pre_activation(qs, x):
 
 
 def test_jit_vmap_and_new_shapes_reuse_scales():
-    qf = Q.quantize(mlp, calibration=[(X,)], progress=False)
+    qf = Q(mlp, calibration=[(X,)], progress=False)
     before = dict(get_state(qf.program, "t").act)
     x1, x9 = X[:1], RNG.normal(size=(9, 16)).astype(np.float32)
     for x in (x1, x9):
@@ -264,8 +264,8 @@ def test_partial_and_weight_argnums_agree():
         with jax.named_scope("Dense_1"):
             return h @ p["w2"]
 
-    a = Q.quantize(functools.partial(apply, params), calibration=[(X,)], progress=False)
-    b = Q.quantize(apply, calibration=[(params, X)], weight_argnums=0, progress=False)
+    a = Q(functools.partial(apply, params), calibration=[(X,)], progress=False)
+    b = Q(apply, calibration=[(params, X)], weight_argnums=0, progress=False)
     np.testing.assert_array_equal(np.asarray(a(X)), np.asarray(b(X)))
     assert len(get_state(b.program, "t").sites) == 2
 
@@ -276,7 +276,7 @@ def test_nested_jit_weights_are_found():
     def f(x):
         return inner(jax.nn.relu(x @ W1))
 
-    qf = Q.quantize(f, calibration=[(X,)], progress=False)
+    qf = Q(f, calibration=[(X,)], progress=False)
     assert len(get_state(qf.program, "t").sites) == 2
     np.testing.assert_allclose(np.asarray(qf(X)), np.asarray(f(X)), atol=0.05 * np.abs(f(X)).max())
 
@@ -285,8 +285,8 @@ def test_nested_jit_weights_are_found():
 
 
 def test_realized_program_structure_and_bytes():
-    r8 = Q.quantize(cnn, calibration=[(XI,)], progress=False)
-    r4 = Q.quantize(
+    r8 = Q(cnn, calibration=[(XI,)], progress=False)
+    r4 = Q(
         cnn,
         calibration=[(XI,)],
         config=QConfig(weights=Scheme(bits=4, granularity="channel")),
@@ -300,7 +300,7 @@ def test_realized_program_structure_and_bytes():
     f32 = K1.nbytes + WC.nbytes
     assert r8.report().param_bytes < 0.4 * f32  # int8 codes + per-channel vectors
     assert r4.report().param_bytes < 0.7 * r8.report().param_bytes  # packed two per byte
-    sim = Q.quantize(cnn, calibration=[(XI,)], mode="simulate", progress=False)
+    sim = Q(cnn, calibration=[(XI,)], mode="simulate", progress=False)
     assert "simulated_quantize" in str(sim.program)
 
 
@@ -322,7 +322,7 @@ def test_fixed_point_matches_numpy_reference():
             return v @ W1
 
     cfg = QConfig(requantize="fixed_point")
-    qf = Q.quantize(layer, calibration=[(X,)], config=cfg, progress=False)
+    qf = Q(layer, calibration=[(X,)], config=cfg, progress=False)
     st_ = get_state(qf.program, "t")
     a, out = st_.act["L/dot_general"], st_.act["L/dot_general:out"]
     qw = st_.weights["L/dot_general"]
@@ -337,7 +337,7 @@ def test_fixed_point_matches_numpy_reference():
     codes = F.ref_requantize(acc, m, e, out.zero_point, *s.qrange)
     want = (codes - out.zero_point).astype(np.float32) * np.float32(out.scale)
     np.testing.assert_array_equal(np.asarray(qf(X)), want)
-    sim = Q.quantize(layer, calibration=[(X,)], config=cfg, mode="simulate", progress=False)
+    sim = Q(layer, calibration=[(X,)], config=cfg, mode="simulate", progress=False)
     assert np.abs(np.asarray(sim(X)) - want).max() <= out.scale * 1.01
 
 
@@ -350,7 +350,7 @@ def test_passes_compose_and_report():
         [Q.annotate(QConfig()), Q.calibrate([(X,)], progress=False), Q.realize()]
     )
     out = pipeline(prog)
-    ref = Q.quantize(mlp, calibration=[(X,)], progress=False)
+    ref = Q(mlp, calibration=[(X,)], progress=False)
     np.testing.assert_array_equal(np.asarray(out(X)), np.asarray(ref(X)))
     rep = ref.report()
     d = rep.to_dict()
@@ -363,7 +363,7 @@ def test_passes_compose_and_report():
     annotated = Q.annotate(QConfig())(prog)
     assert "kind=weight" in str(annotated) and "kind=activation" in str(annotated)
     assert str(Q.annotate(QConfig())(annotated)) == str(annotated)  # idempotent
-    assert str(Q.realize()(out)) == str(out)  # realize starts from the float program again
+    assert str(Q.realize()(out)) == str(out)  # idempotent: the same integer program
 
 
 def test_rules_first_match_wins_and_unmatched_are_reported():
@@ -373,7 +373,7 @@ def test_rules_first_match_wins_and_unmatched_are_reported():
         Rule(pattern="Nope"),
     )
     with pytest.warns(UserWarning, match="matched no equation"):
-        qf = Q.quantize(mlp, calibration=[(X,)], config=QConfig(rules=rules), progress=False)
+        qf = Q(mlp, calibration=[(X,)], config=QConfig(rules=rules), progress=False)
     rows = {r.name: r for r in qf.report().layers}
     assert rows["MLP/Dense_1/dot_general"].status == "skipped by rule"
     assert (
@@ -388,29 +388,29 @@ def test_rules_first_match_wins_and_unmatched_are_reported():
 
 def test_bad_input():
     with pytest.raises(QuantizeError, match="calibration data is empty"):
-        Q.quantize(mlp, calibration=[], progress=False)
+        Q(mlp, calibration=[], progress=False)
     with pytest.raises(QuantizeError, match="calibration batch 1"):
-        Q.quantize(mlp, calibration=[(X,), (X, X)], progress=False)
+        Q(mlp, calibration=[(X,), (X, X)], progress=False)
     with pytest.raises(QuantizeError, match="need calibration data"):
-        Q.quantize(mlp, example_args=(X,))
+        Q(mlp, example_args=(X,))
     with pytest.raises(QuantizeError, match="16-bit weights"):
-        Q.quantize(mlp, calibration=[(X,)], config=QConfig(weights=Scheme(bits=16)), progress=False)
+        Q(mlp, calibration=[(X,)], config=QConfig(weights=Scheme(bits=16)), progress=False)
     with pytest.raises(QuantizeError, match="group_size=5 does not divide"):
-        Q.quantize(
+        Q(
             mlp,
             calibration=[(X,)],
             config=QConfig(weights=Scheme(granularity="group", group_size=5)),
             progress=False,
         )
     with pytest.raises(QuantizeError, match="granularity='group' needs a 2-D weight"):
-        Q.quantize(
+        Q(
             cnn,
             calibration=[(XI,)],
             config=QConfig(weights=Scheme(granularity="group", group_size=2)),
             progress=False,
         )
     with pytest.raises(ValueError, match="mode must be one of"):
-        Q.quantize(mlp, calibration=[(X,)], mode="int8")
+        Q(mlp, calibration=[(X,)], mode="int8")
     with pytest.raises(QuantizeError, match="no quantization state"):
         Q.calibrate([(X,)])(jaxq.trace(mlp, X))
     with pytest.raises(QuantizeError, match="no calibrated activation scale"):
@@ -426,12 +426,12 @@ def test_nan_in_calibration_names_the_layer():
         QuantizeError,
         match=r"NaN or Inf in the input of layer 'MLP/Dense_0/dot_general' \(calibration batch 1\)",
     ):
-        Q.quantize(mlp, calibration=[(X,), (bad,)], progress=False)
+        Q(mlp, calibration=[(X,), (bad,)], progress=False)
 
 
 def test_constant_input_gets_a_valid_scale():
     z = np.zeros_like(X)
-    qf = Q.quantize(mlp, calibration=[(z,)], progress=False)
+    qf = Q(mlp, calibration=[(z,)], progress=False)
     for a in get_state(qf.program, "t").act.values():
         assert np.isfinite(a.scale) and a.scale > 0
     np.testing.assert_allclose(np.asarray(qf(z)), np.asarray(mlp(z)), atol=0.05)
@@ -446,7 +446,7 @@ def test_accumulator_overflow_is_an_error():
 
     x = np.ones((2, k), np.float32)
     with pytest.raises(QuantizeError, match="int32 accumulator .* could overflow"):
-        Q.quantize(big, calibration=[(x,)], progress=False)
+        Q(big, calibration=[(x,)], progress=False)
 
 
 def test_pass_through_ops_stay_in_the_integer_domain():
@@ -464,7 +464,7 @@ def test_pass_through_ops_stay_in_the_integer_domain():
         with jax.named_scope("Dense_0"):
             return h @ WC[:16]
 
-    qf = Q.quantize(net, calibration=[(XI,)], progress=False)
+    qf = Q(net, calibration=[(XI,)], progress=False)
     text = str(qf.program)
     for op in ("reduce_window_max", "transpose", "reshape", "max"):
         assert re.search(rf"int8\[[0-9,]+\]\S* = {op}", text), op
@@ -472,7 +472,7 @@ def test_pass_through_ops_stay_in_the_integer_domain():
     plain, _ = lower(state, realize_handler(state), integer_chains=False)  # quantize at the dot
     assert not re.search(r"int8\[[0-9,]+\]\S* = reduce_window_max", str(plain))
     np.testing.assert_array_equal(np.asarray(qf(XI)), np.asarray(plain(XI)))
-    sim = Q.quantize(net, calibration=[(XI,)], mode="simulate", progress=False)
+    sim = Q(net, calibration=[(XI,)], mode="simulate", progress=False)
     np.testing.assert_allclose(np.asarray(qf(XI)), np.asarray(sim(XI)), atol=1e-5)
 
 
@@ -484,7 +484,7 @@ def test_rule_quantizes_a_bias_add_weights_only():
     assert rows["MLP/Dense_0/add"].activations is None
     assert "MLP/Dense_1/add" not in rows  # elementwise ops are opt-in, and unreported otherwise
     np.testing.assert_allclose(np.asarray(r(X)), np.asarray(s(X)), atol=1e-5)
-    plain = Q.quantize(mlp, calibration=[(X,)], progress=False)
+    plain = Q(mlp, calibration=[(X,)], progress=False)
     assert r.report().param_bytes < plain.report().param_bytes  # the f32 bias became int8
 
 
@@ -495,8 +495,8 @@ def test_random_programs_quantize_in_both_modes(rp):
     dots and convolutions it cannot reach stay float and are reported."""
     cal = [rp.args]
     cfg = QConfig(dynamic=True)  # activation sites inside loops cannot be calibrated anyway
-    r = Q.quantize(rp.fun, calibration=cal, config=cfg, progress=False)
-    s = Q.quantize(rp.fun, calibration=cal, config=cfg, mode="simulate", progress=False)
+    r = Q(rp.fun, calibration=cal, config=cfg, progress=False)
+    s = Q(rp.fun, calibration=cal, config=cfg, mode="simulate", progress=False)
     ref = jax.tree.leaves(rp.fun(*rp.args))
     for a, b, c in zip(
         jax.tree.leaves(r(*rp.args)), jax.tree.leaves(s(*rp.args)), ref, strict=True
@@ -518,7 +518,7 @@ def test_control_flow_bodies_are_left_float_and_reported():
         with jax.named_scope("Out"):
             return h @ W2
 
-    qf = Q.quantize(f, calibration=[(X,)], progress=False)
+    qf = Q(f, calibration=[(X,)], progress=False)
     rows = {r.name: r for r in qf.report().layers}
     assert rows["Out/dot_general"].status == "quantized"
     loops = [r for r in rows.values() if r.status != "quantized"]
@@ -571,7 +571,7 @@ def test_every_scheme_granularity_rounding_pair():
 def test_package_is_callable_and_exports_the_passes():
     qf = Q(mlp, config=QConfig(dynamic=True), example_args=(X,), progress=False)
     assert isinstance(qf, Q.QuantizedFunction) and qf.mode == "realize"
-    for name in ("annotate", "calibrate", "realize", "quantize", "QConfig", "Scheme", "Rule"):
+    for name in ("annotate", "calibrate", "realize", "QArray", "QConfig", "Scheme", "Rule"):
         assert hasattr(Q, name)
     assert isinstance(Q.annotate(), jaxq.transform.Pass)
 

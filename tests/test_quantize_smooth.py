@@ -34,7 +34,7 @@ def test_smoothing_reduces_the_error_of_outlier_activations():
     ref = X @ W
     err = {}
     for alpha in (None, 0.5):
-        qf = Q.quantize(layer, calibration=CALIB, config=QConfig(smoothing=alpha), progress=False)
+        qf = Q(layer, calibration=CALIB, config=QConfig(smoothing=alpha), progress=False)
         err[alpha] = np.sum((np.asarray(qf(X)) - ref) ** 2)
         assert ("smoothed" in str(qf.report())) == (alpha is not None)
     assert err[0.5] < 0.5 * err[None]
@@ -43,7 +43,7 @@ def test_smoothing_reduces_the_error_of_outlier_activations():
 def test_smoothed_integer_code_is_exact():
     alpha = 0.5
     cfg = QConfig(activations=Scheme(symmetric=False), smoothing=alpha)
-    qf = Q.quantize(layer, calibration=CALIB, config=cfg, progress=False)
+    qf = Q(layer, calibration=CALIB, config=cfg, progress=False)
     state = get_state(qf.program, "t")
     np.testing.assert_array_equal(state.act_absmax["L/dot_general"], np.abs(X).max(0))
     s = smoothing_factors(state.act_absmax["L/dot_general"], W, 0, alpha)
@@ -51,7 +51,7 @@ def test_smoothed_integer_code_is_exact():
     xs = np.asarray(jnp.asarray(X) / jnp.asarray(s.reshape(1, -1)))
     want = reference_dense(xs, state, "L/dot_general", W * s[:, None])
     np.testing.assert_array_equal(np.asarray(qf(X)), want)
-    sim = Q.quantize(layer, calibration=CALIB, config=cfg, mode="simulate", progress=False)
+    sim = Q(layer, calibration=CALIB, config=cfg, mode="simulate", progress=False)
     np.testing.assert_allclose(np.asarray(sim(X)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -62,7 +62,7 @@ def test_smoothing_factors():
 
 def test_smoothing_with_one_shot_data_and_new_shapes():
     data = iter(batches(2))  # a generator is read once and kept for the second pass
-    qf = Q.quantize(layer, calibration=data, config=QConfig(smoothing=0.8), progress=False)
+    qf = Q(layer, calibration=data, config=QConfig(smoothing=0.8), progress=False)
     assert get_state(qf.program, "t").calibration["smoothed_layers"] == 1
     x = X[:5]  # another batch size re-specializes with the same factors and weights
     rel = np.abs(np.asarray(qf(x)) - x @ W).max() / np.abs(x @ W).max()
@@ -71,11 +71,11 @@ def test_smoothing_with_one_shot_data_and_new_shapes():
 
 def test_smoothing_with_dynamic_activations_is_calibrated():
     cfg = QConfig(activations=Scheme(granularity="token"), dynamic=True, smoothing=0.5)
-    qf = Q.quantize(layer, calibration=CALIB, config=cfg, progress=False)
+    qf = Q(layer, calibration=CALIB, config=cfg, progress=False)
     state = get_state(qf.program, "t")
     assert "L/dot_general" in state.act_absmax and not state.act  # scales stay dynamic
     with pytest.raises(Q.QuantizeError, match="smoothing measures"):
-        Q.quantize(layer, config=cfg, example_args=(X,))
+        Q(layer, config=cfg, example_args=(X,))
 
 
 def test_smoothing_validation():

@@ -66,8 +66,8 @@ def test_gptq_end_to_end(activations):
     out = {}
     for method in ("minmax", "gptq"):
         cfg = QConfig(weights=weights, activations=activations, weight_calibration=method)
-        r = Q.quantize(dense(w), calibration=calib, config=cfg, progress=False)
-        s = Q.quantize(dense(w), calibration=calib, config=cfg, mode="simulate", progress=False)
+        r = Q(dense(w), calibration=calib, config=cfg, progress=False)
+        s = Q(dense(w), calibration=calib, config=cfg, mode="simulate", progress=False)
         out[method] = np.asarray(r(x))
         np.testing.assert_allclose(out[method], np.asarray(s(x)), rtol=1e-5, atol=1e-5)
         state = get_state(r.program, "test")
@@ -104,8 +104,8 @@ def test_gptq_convolutions(dn):
             activations=None,
             weight_calibration=method,
         )
-        r = Q.quantize(conv, calibration=[(x,)], config=cfg, progress=False)
-        s = Q.quantize(conv, calibration=[(x,)], config=cfg, mode="simulate", progress=False)
+        r = Q(conv, calibration=[(x,)], config=cfg, progress=False)
+        s = Q(conv, calibration=[(x,)], config=cfg, mode="simulate", progress=False)
         np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), rtol=1e-5, atol=1e-4)
         assert get_state(r.program, "t").weights["C/conv_general_dilated"].method == method
         err[method] = np.sum((np.asarray(r(x)) - ref) ** 2)
@@ -113,7 +113,7 @@ def test_gptq_convolutions(dn):
     # a grouped (depthwise) convolution keeps minmax codes
     w = w[..., :1, :4] if dn[1] == "HWIO" else w[:4, :1]
     cfg = QConfig(activations=None, weight_calibration="gptq")
-    qf = Q.quantize(lambda v: conv(v, groups=4), calibration=[(x,)], config=cfg, progress=False)
+    qf = Q(lambda v: conv(v, groups=4), calibration=[(x,)], config=cfg, progress=False)
     assert get_state(qf.program, "t").weights["C/conv_general_dilated"].method == "minmax"
 
 
@@ -121,7 +121,7 @@ def test_gptq_needs_calibration():
     cfg = QConfig(activations=None, weight_calibration="gptq")
     w = np.ones((4, 2), np.float32)
     with pytest.raises(QuantizeError, match="weight_calibration='gptq'"):
-        Q.quantize(dense(w), config=cfg, example_args=(np.ones((1, 4), np.float32),))
+        Q(dense(w), config=cfg, example_args=(np.ones((1, 4), np.float32),))
     import jaxq
 
     program = Q.annotate(cfg)(jaxq.trace(dense(w), np.ones((1, 4), np.float32)))
@@ -138,7 +138,7 @@ def test_mse_clipping_never_worse_than_minmax(seed, gran, symmetric):
     err = {}
     for method in ("minmax", "mse"):
         cfg = QConfig(weights=weights, activations=None, weight_calibration=method)
-        qf = Q.quantize(dense(w), config=cfg, example_args=(np.eye(48, dtype=np.float32),))
+        qf = Q(dense(w), config=cfg, example_args=(np.eye(48, dtype=np.float32),))
         err[method] = np.sum((np.asarray(qf(np.eye(48, dtype=np.float32))) - w) ** 2)
     assert err["mse"] <= err["minmax"] * (1 + 1e-6)
 

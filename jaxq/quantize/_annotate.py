@@ -1,12 +1,29 @@
-"""annotate: choose what to quantize (rules over equation names) and insert `simulated_quantize`."""
+"""annotate: choose what to quantize (rules over equation names) and insert `simulated_quantize`.
+
+Every phase reads the float program off the program it is given (:func:`float_source`): the one
+the previous phase kept, when it is given that phase's output unchanged, or else the given program
+with its ``simulated_quantize`` markers removed, so a pass run between phases is kept.
+"""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 from jaxq._program import Program
+from jaxq._walk import rewrite
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import META_KEY, QState, lower, simulate_handler, with_state
+from jaxq.quantize._lower import (
+    META_KEY,
+    Engine,
+    QState,
+    QuantizeError,
+    lower,
+    param_spec,
+    simulate_handler,
+    with_state,
+)
 from jaxq.transform import Pass, infer_layouts, name_expressions, program_pass
 
 
@@ -18,21 +35,59 @@ def prepare(program: Program) -> Program:
     return infer_layouts()(name_expressions()(program))
 
 
+def strip(program: Program) -> Program:
+    """The program without its ``simulated_quantize`` markers (each replaced by its input)."""
+    meta = {k: v for k, v in (program.meta or {}).items() if k != META_KEY}
+    plain = program.replace(meta=meta)
+    return rewrite(plain, {"simulated_quantize": lambda visit, x, *_: x}, scope="strip")
+
+
+def float_source(program: Program, state: QState, who: str) -> Program:
+    """The float program a phase lowers: the state's, or (when a pass changed the program since
+    the last phase) the given program without its markers."""
+    if state.output is None or program.jaxpr is state.output:
+        return state.source
+    if state.smooth:
+        raise QuantizeError(
+            f"{who}: the program was changed by a pass since the last quantization phase, and "
+            "SmoothQuant factors cannot be taken back out of it. Run that pass before "
+            "jaxq.quantize.annotate, or without QConfig(smoothing=...)."
+        )
+    return infer_layouts()(name_expressions()(strip(program)))
+
+
+def check_sites(state: QState, engine: Engine, who: str) -> None:
+    """A phase must find every site the state knows: say which are gone, by name."""
+    gone = sorted(set(state.sites) - set(engine.sites))
+    if gone:
+        raise QuantizeError(
+            f"{who}: the program's quantization sites no longer match its state; these layers "
+            f"were quantized by annotate but are not in the program it was given: {gone}. "
+            "A pass between phases may rewrite equations but must keep their names; run passes "
+            "that remove layers before jaxq.quantize.annotate."
+        )
+
+
 def unmatched_rules(config: QConfig, matched: frozenset[int]) -> list[str]:
     return [f"rules[{i}]: {r!r}" for i, r in enumerate(config.rules) if i not in matched]
 
 
-def annotate_program(program: Program, config: QConfig, *, warn: bool = True) -> Program:
+def annotate_program(
+    program: Program, config: QConfig, *, params_argnum: int | None = None, warn: bool = True
+) -> Program:
     if not isinstance(config, QConfig):
         raise TypeError(f"annotate: config must be a jaxq.QConfig; got {type(config).__name__}")
     source = prepare(program)
-    state = QState(config=config, source=source, sites={}, skipped={}, weights={})
+    params = None if params_argnum is None else param_spec(source, params_argnum)
+    state = QState(config=config, source=source, sites={}, skipped={}, weights={}, params=params)
     out, engine = lower(state, simulate_handler(state))
     state = state.replace(
         sites=engine.sites,
         skipped=engine.skipped,
         weights=engine.weights,
+        leaves=engine.leaves,
         matched_rules=frozenset(engine.matched),
+        output=out.jaxpr,
     )
     missing = unmatched_rules(config, state.matched_rules)
     if warn and missing:
@@ -45,12 +100,15 @@ def annotate_program(program: Program, config: QConfig, *, warn: bool = True) ->
     return with_state(out, state)
 
 
-def annotate(config: QConfig | None = None) -> Pass:
-    """A pass that quantizes weights and marks activations with ``simulated_quantize``.
+def annotate(config: QConfig | None = None, *, params_argnum: int | None = None) -> Pass:
+    """A pass that marks weights and activations with ``simulated_quantize``.
 
-    Weights are quantized once here (their scales come from their values); activation scales come
-    from :func:`calibrate` (until then they are computed at run time). The float program, the
-    sites and the quantized weights are kept in ``program.meta["quantize"]``.
+    Weights are the arrays the program closes over (quantized once, here) or, with
+    ``params_argnum``, the leaves of that argument (``f(params, *args)``): their scales are then
+    computed inside the program from the weights it is given, so ``jax.grad`` trains them (QAT).
+    Activation scales come from :func:`calibrate` (until then they are computed at run time). The
+    float program, the sites and the plan for each param leaf are kept in
+    ``program.meta["quantize"]``.
     """
     config = QConfig() if config is None else config
     if not isinstance(config, QConfig):
@@ -58,6 +116,12 @@ def annotate(config: QConfig | None = None) -> Pass:
 
     @program_pass(name="quantize.annotate")
     def run(program: Program) -> Program:
-        return annotate_program(program, config)
+        return annotate_program(program, config, params_argnum=params_argnum)
 
     return run
+
+
+def with_params(batches: Iterable[Any], params: Any) -> Iterable[tuple[Any, ...]]:
+    """Calibration tuples ``(x, ...)`` as arguments of ``f(params, x, ...)``."""
+    for b in batches:
+        yield (params, *(b if isinstance(b, tuple) else (b,)))

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
-import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -16,286 +13,246 @@ import numpy as np
 
 from jaxq._program import Program, trace
 from jaxq._taps import intermediates
-from jaxq.quantize._annotate import annotate_program, prepare, unmatched_rules
-from jaxq.quantize._calibrate import calibrate_program
+from jaxq.quantize._annotate import annotate, prepare, with_params
+from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import (
     QState,
     QuantizeError,
     get_state,
     lower,
+    param_spec,
+    quantize_weight,
     simulate_handler,
     with_state,
 )
-from jaxq.quantize._realize import realize_handler, realize_program
+from jaxq.quantize._params import float_leaf, to_qarray, to_site
+from jaxq.quantize._qarray import QArray, is_qarray
+from jaxq.quantize._realize import realize, realize_handler, realize_program
+from jaxq.quantize._report import Report, make_report, sqnr_db
+from jaxq.transform import Sequential
 
 MODES = ("realize", "simulate")
 
 
-# ---- report -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerReport:
-    """One row of :class:`Report`. Later columns (e.g. SQNR) go after ``status``."""
-
-    name: str
-    primitive: str
-    status: str  # "quantized", or why the layer stays float
-    weights: str | None = None
-    activations: str | None = None
-    weight_scale: tuple[float, float] | None = None  # (min, max) over channels / groups
-    activation_scale: float | None = None
-    activation_zero_point: int | None = None
-    rule: int | None = None
-    sqnr_db: float | None = None  # of the layer's output against float, on a sample batch
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What was quantized, and how. ``str(report)`` is a table; ``report.to_dict()`` the data."""
-
-    mode: str
-    layers: tuple[LayerReport, ...]
-    unmatched_rules: tuple[str, ...]
-    calibration: dict[str, Any]
-    param_bytes: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "layers": [dataclasses.asdict(r) for r in self.layers],
-            "unmatched_rules": list(self.unmatched_rules),
-            "calibration": dict(self.calibration),
-            "param_bytes": self.param_bytes,
-        }
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The report as JSON (infinite SQNR, for exact layers, is written as null)."""
-        data = self.to_dict()
-        for row in data["layers"]:
-            if row["sqnr_db"] is not None and not math.isfinite(row["sqnr_db"]):
-                row["sqnr_db"] = None
-        text = json.dumps(data, indent=2, default=str)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    def save_plot(self, path: str | os.PathLike[str]) -> Path:
-        """A PNG bar chart of per-layer SQNR, worst first (needs matplotlib: ``jaxq[plot]``)."""
-        rows = [r for r in self.layers if r.sqnr_db is not None and math.isfinite(r.sqnr_db)]
-        values = [float(r.sqnr_db) for r in rows if r.sqnr_db is not None]
-        if not rows:
-            raise ValueError("save_plot: no SQNR in this report; call qf.report(sample=(x,))")
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            raise ImportError("save_plot needs matplotlib: pip install 'jaxq[plot]'") from e
-        fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
-        ax.barh(
-            [r.name for r in rows],
-            values,
-            color=["#c0392b" if v < 20 else "#2e86c1" for v in values],
-        )
-        ax.invert_yaxis()
-        ax.set_xlabel("SQNR of the layer output vs float (dB, higher is better)")
-        ax.set_title(f"jaxq.quantize per-layer SQNR ({self.mode})")
-        ax.tick_params(axis="y", labelsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
-
-    def __str__(self) -> str:
-        head = (
-            "layer",
-            "primitive",
-            "weights",
-            "activations",
-            "w scale",
-            "a scale",
-            "SQNR dB",
-            "status",
-        )
-        rows = []
-        for r in self.layers:
-            ws = (
-                ""
-                if r.weight_scale is None
-                else f"{r.weight_scale[0]:.3g}..{r.weight_scale[1]:.3g}"
-            )
-            a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
-            sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
-            rows.append(
-                (
-                    r.name,
-                    r.primitive,
-                    r.weights or "float",
-                    r.activations or "float",
-                    ws,
-                    a_s,
-                    sq,
-                    r.status,
-                )
-            )
-        widths = [
-            max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
-            for i, h in enumerate(head)
-        ]
-        fmt = "  ".join(f"{{:{w}}}" for w in widths)
-        lines = [f"jaxq.quantize report (mode={self.mode}, parameter bytes={self.param_bytes})"]
-        lines.append(fmt.format(*head))
-        lines.append(fmt.format(*("-" * w for w in widths)))
-        lines += [fmt.format(*row) for row in rows]
-        if self.calibration:
-            lines.append(f"calibration: {self.calibration}")
-        if self.unmatched_rules:
-            lines.append("rules that matched nothing:")
-            lines += [f"  {u}" for u in self.unmatched_rules]
-        return "\n".join(lines)
-
-
-def param_bytes(program: Program) -> int:
-    return int(sum(np.asarray(c).nbytes for c in program.jaxpr.consts if hasattr(c, "shape")))
-
-
-def sqnr_db(reference: Any, approx: Any) -> float:
-    """``10 log10(sum(ref^2) / sum((ref - approx)^2))`` in dB; infinite when they are equal."""
-    ref = np.asarray(reference, np.float64)
-    noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
-    if noise == 0.0:
-        return math.inf
-    return 10.0 * math.log10(max(float(np.sum(ref**2)), 1e-300) / noise)
-
-
-def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
-    measured = sorted(
-        (r for r in rows if r.sqnr_db is not None), key=lambda r: float(r.sqnr_db or 0)
-    )
-    return measured + [r for r in rows if r.sqnr_db is None]
-
-
-def make_report(program: Program, sqnr: dict[str, float] | None = None) -> Report:
-    state = get_state(program, "report")
-    rows = []
-    for e in state.source.equations():
-        site = state.sites.get(e.name)
-        if site is None:
-            if e.name in state.skipped:
-                rows.append(LayerReport(e.name, e.primitive, state.skipped[e.name]))
-            continue
-        qw = state.weights.get(e.name)
-        wscale = None
-        if qw is not None:
-            src = qw.group_scale if qw.group_scale is not None else qw.scale
-            wscale = (float(np.min(src)), float(np.max(src)))
-        acts = None
-        a_scale = a_zp = None
-        status = "quantized"
-        if site.activations is not None:
-            params = state.act.get(e.name)
-            if params is not None:
-                kind = "static"
-                a_scale, a_zp = params.scale, params.zero_point
-            elif state.config.dynamic:
-                kind = "dynamic"
-            else:
-                kind = "dynamic (inside a loop)" if site.in_loop else "dynamic (not calibrated)"
-            acts = f"{site.activations.short()} {kind}"
-        rows.append(
-            LayerReport(
-                e.name,
-                e.primitive,
-                status,
-                site.weights.short()
-                + (f" {qw.method}" if qw and qw.method != "minmax" else "")
-                + (" smoothed" if e.name in state.act_absmax else ""),
-                acts,
-                wscale,
-                a_scale,
-                a_zp,
-                site.rule,
-                None if sqnr is None else sqnr.get(e.name),
-            )
-        )
-    return Report(
-        mode=state.mode,
-        layers=tuple(rows if sqnr is None else _worst_first(rows)),
-        unmatched_rules=tuple(unmatched_rules(state.config, state.matched_rules)),
-        calibration=dict(state.calibration),
-        param_bytes=param_bytes(program),
-    )
-
-
-# ---- the function -------------------------------------------------------------------------------
-
-
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
+    return jax.ShapeDtypeStruct(
+        np.shape(x), jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
+    )
+
+
+def _specs(tree: Any) -> Any:
+    return jax.tree.map(_spec, tree)
 
 
 class QuantizedFunction:
-    """A quantized JAX function: call it like the original (without the ``weight_argnums``).
+    """A quantized JAX function.
 
-    It works under ``jax.jit``, ``jax.vmap`` and (in simulate mode) ``jax.grad``. New input shapes
-    re-trace the original function and reuse the calibrated scales and quantized weights, matched
-    by equation name.
+    Made by :func:`jaxq.quantize`. With params (``jaxq.quantize(f, params, ...)``), call
+    ``qf.apply(qf.params, *args)`` (or ``qf(*args)``, which passes ``qf.params``); the quantized
+    params are a pytree shaped like the float ones, with a :class:`jaxq.QArray` at every quantized
+    weight, so ``jax.jit(qf.apply)`` compiles a program whose size does not grow with the model's.
+    Without params (weights closed over), call it like the original function.
+
+    It works under ``jax.jit``, ``jax.vmap`` and, in simulate mode, ``jax.grad`` (QAT: with params,
+    the gradient reaches every float param through a straight-through estimator). New input shapes
+    re-trace the original function and reuse the calibrated scales, matched by equation name.
 
     Attributes:
       program: the quantized Program at the example shapes.
-      mode: ``"realize"`` or ``"simulate"``.
+      mode: ``"realize"`` (integer code) or ``"simulate"`` (fake quantization).
+      params: the params the function is called with by ``qf(*args)``: quantized (realize) or
+        float (simulate); None when the weights are closed over.
     """
 
-    def __init__(self, fun: Callable[..., Any], program: Program, mode: str) -> None:
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        program: Program,
+        params: Any = None,
+        float_params: Any = None,
+    ) -> None:
         self._fun = fun
         self.program = program
-        self.mode = mode
         self._state: QState = get_state(program, "QuantizedFunction")
-        self._cache: dict[Any, Program] = {
-            self._key(program.in_tree, program.jaxpr.in_avals): program
-        }
+        self.mode = self._state.mode
+        self.params = params
+        self._float_params = float_params
+        self._cache: dict[Any, Program] = {self._key_of(program): program}
         self.__name__ = getattr(fun, "__name__", "quantized")
         self.__doc__ = getattr(fun, "__doc__", None)
+
+    # -- programs per shape -----------------------------------------------------------------------
+    @property
+    def _with_params(self) -> bool:
+        return self._state.params is not None
 
     @staticmethod
     def _key(tree: Any, specs: Any) -> Any:
         return tree, tuple((tuple(s.shape), np.dtype(s.dtype)) for s in specs)
 
+    def _key_of(self, program: Program) -> Any:
+        avals = program.jaxpr.in_avals
+        args, kwargs = jax.tree.unflatten(program.in_tree, list(avals))
+        if self._with_params:
+            args = args[1:]
+        leaves, tree = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_qarray)
+        return self._key(tree, leaves)
+
     def specialize(self, *args: Any, **kwargs: Any) -> Program:
-        """The quantized Program for arguments of these shapes (traced once per shape)."""
+        """The quantized Program for arguments of these shapes (traced once per shape). With
+        params, ``args`` are the other arguments (the Program takes the params first)."""
         leaves, tree = jax.tree.flatten((args, kwargs))
         specs = [_spec(x) for x in leaves]
         key = self._key(tree, specs)
         prog = self._cache.get(key)
         if prog is None:
             a, k = jax.tree.unflatten(tree, specs)
+            spec = self._state.params
+            if spec is not None:
+                avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in spec.avals]
+                a = (jax.tree.unflatten(spec.tree, avals), *a)
             source = prepare(trace(self._fun, *a, **k))
             state = self._state.replace(source=source)
-            handler = realize_handler(state) if self.mode == "realize" else simulate_handler(state)
-            prog, engine = lower(state, handler, integer_chains=self.mode == "realize")
+            if spec is not None:
+                state = state.replace(params=param_spec(source, 0))
+            realize_mode = self.mode == "realize"
+            handler = realize_handler(state) if realize_mode else simulate_handler(state)
+            prog, engine = lower(state, handler, mode=self.mode, integer_chains=realize_mode)
             state = state.replace(
-                sites=engine.sites, skipped=engine.skipped, weights=engine.weights
+                sites=engine.sites,
+                skipped=engine.skipped,
+                weights=engine.weights,
+                output=prog.jaxpr,
             )
             prog = with_state(prog, state)
             self._cache[key] = prog
         return prog
 
+    # -- calling ----------------------------------------------------------------------------------
+    def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        """``f(params, *args)`` quantized: integer code on quantized params (realize), or fake
+        quantization of the float params given (simulate: differentiate it for QAT)."""
+        if not self._with_params:
+            raise TypeError(
+                "QuantizedFunction.apply: this function was quantized with its weights closed over "
+                "(no params); call it as qf(*args), or quantize with jaxq.quantize(f, params, ...)"
+            )
+        self._check_params(params, quantized=self.mode == "realize", who="apply")
+        return self.specialize(*args, **kwargs).as_fun()(params, *args, **kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._with_params:
+            return self.apply(self.params, *args, **kwargs)
         return self.specialize(*args, **kwargs).as_fun()(*args, **kwargs)
 
-    def _simulated(self, *args: Any, **kwargs: Any) -> tuple[Program, Program]:
-        """(float program, fake-quantized program) at these argument shapes, sharing names."""
-        if self.mode == "simulate":
-            prog = self.specialize(*args, **kwargs)
-            return get_state(prog, "layer_sqnr").source, prog
-        source = prepare(trace(self._fun, *args, **kwargs))
-        state = self._state.replace(source=source)
-        prog, _ = lower(state, simulate_handler(state))
-        return source, prog
+    def _check_params(self, params: Any, *, quantized: bool, who: str) -> list[Any]:
+        """The flat params (QArrays as leaves), after checking them against the traced ones; the
+        errors name the path and say what to pass instead."""
+        spec = self._state.params
+        assert spec is not None  # only called with params
+        flat, tree = jax.tree.flatten(params, is_leaf=is_qarray)
+        if tree != spec.tree:
+            raise QuantizeError(
+                f"{who}: params do not have the structure f was quantized with.\n"
+                f"  expected: {spec.tree}\n  got:      {tree}\n"
+                "Pass a pytree shaped like the params given to jaxq.quantize (qf.params is one)."
+            )
+        for i, x in enumerate(flat):
+            path, aval = f"params{spec.paths[i]}", spec.avals[i]
+            plan = self._state.leaves.get(i)
+            if quantized and plan is not None:
+                if not isinstance(x, QArray):
+                    raise QuantizeError(
+                        f"{who}: {path} is a float array, but this realized function takes a "
+                        "QArray there (int8 codes and scales). Pass qf.params, or "
+                        "qf.quantize_params(float_params)."
+                    )
+                if x.shape != plan.shape or x.bits != plan.scheme.bits:
+                    raise QuantizeError(
+                        f"{who}: {path} is a QArray of shape {x.shape} ({x.bits} bits); expected "
+                        f"shape {plan.shape} ({plan.scheme.bits} bits). Quantize these params with "
+                        "qf.quantize_params(float_params)."
+                    )
+                continue
+            if isinstance(x, QArray):
+                raise QuantizeError(
+                    f"{who}: {path} is a QArray, but this function takes float params there "
+                    + (
+                        "(mode='simulate' fake-quantizes the float weights it is given; "
+                        "qf.realize(params) makes the integer function)."
+                        if self.mode == "simulate"
+                        else "(it feeds no quantized layer)."
+                    )
+                )
+            shape, dtype = np.shape(x), jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
+            if shape != tuple(aval.shape) or dtype != aval.dtype:
+                got = f"{np.dtype(dtype).name}{list(shape)}"
+                raise QuantizeError(f"{who}: {path}: expected {aval.str_short()}, got {got}")
+        return flat
+
+    # -- params -----------------------------------------------------------------------------------
+    def quantize_params(self, params: Any, *, progress: bool = False) -> Any:
+        """Quantize float ``params`` (shaped like the ones given to jaxq.quantize) with this
+        function's config, layers and calibration: a pytree with a QArray at every quantized
+        weight, the other leaves as given. Leaf by leaf on the host; no re-trace."""
+        if not self._with_params:
+            raise TypeError("quantize_params: this function was quantized without params")
+        spec = self._state.params
+        assert spec is not None  # checked above
+        flat = self._check_params(params, quantized=False, who="quantize_params")
+        out = list(flat)
+        plans = sorted(self._state.leaves.items())
+        for i, plan in progress_bar(plans, progress and len(plans) > 8, "jaxq quantize params"):
+            out[i] = quantize_leaf(self._state, plan, flat[i])
+        return jax.tree.unflatten(spec.tree, out)
+
+    def realize(
+        self, params: Any = None, *, calibration: Iterable[Any] | None = None
+    ) -> QuantizedFunction:
+        """The integer function of a simulate-mode one (after QAT): ``params`` (default
+        ``qf.params``) quantized with the same config and activation scales, or scales measured
+        again on ``calibration`` (argument tuples, as for jaxq.quantize)."""
+        if self.mode != "simulate":
+            raise QuantizeError("realize: this function is realized already")
+        program = self.program
+        params = self.params if params is None else params
+        if calibration is not None:
+            data = with_params(calibration, params) if self._with_params else calibration
+            program = calibrate_program(program, data, progress=False, retrace=self._retrace)
+        program = realize_program(program)
+        if not self._with_params:
+            return QuantizedFunction(self._fun, program)
+        qf = QuantizedFunction(self._fun, program, float_params=params)
+        qf.params = qf.quantize_params(params)
+        return qf
+
+    def _retrace(self, *args: Any) -> Program:
+        return prepare(trace(self._fun, *args))
+
+    # -- inspection -------------------------------------------------------------------------------
+    def _simulated(self, *args: Any, **kwargs: Any) -> tuple[Program, Program, tuple, tuple]:
+        """(float program, fake-quantized program, their leading arguments) at these shapes."""
+        spec = self._state.params
+        if spec is None:
+            if self.mode == "simulate":
+                prog = self.specialize(*args, **kwargs)
+                return get_state(prog, "layer_sqnr").source, prog, (), ()
+            source = prepare(trace(self._fun, *args, **kwargs))
+            state = self._state.replace(source=source)
+            prog, _ = lower(state, simulate_handler(state))
+            return source, prog, (), ()
+        fp = self._float_params
+        if fp is None:
+            raise QuantizeError(
+                "layer_sqnr: the float params are not known; quantize with "
+                "jaxq.quantize(f, params, ...) or call qf.quantize_params(params) first"
+            )
+        source = prepare(trace(self._fun, _specs(fp), *_specs(args), **_specs(kwargs)))
+        state = self._state.replace(source=source, params=param_spec(source, 0))
+        quantized = self.mode == "realize"
+        sim, _ = lower(state, simulate_handler(state), quantized_params=quantized)
+        return source, sim, (fp,), (self.params if quantized else fp,)
 
     def layer_sqnr(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """SQNR (dB) of each quantized layer's output against float on these arguments.
@@ -304,7 +261,7 @@ class QuantizedFunction:
         results; errors of earlier layers accumulate into later ones, as a user sees them. Layers
         inside loops or branches have no single value and are left out.
         """
-        source, sim = self._simulated(*args, **kwargs)
+        source, sim, ref_lead, sim_lead = self._simulated(*args, **kwargs)
         quantized = {r.name for r in make_report(self.program).layers if r.status == "quantized"}
         top = {e.name for e in sim.equations() if len(e.path) == 1}
         names = [
@@ -312,25 +269,62 @@ class QuantizedFunction:
             for e in source.equations()
             if len(e.path) == 1 and e.name in quantized and e.name in top
         ]
-        ref = intermediates(source, names, *args, **kwargs)
-        got = intermediates(sim, names, *args, **kwargs)
+        ref = intermediates(source, names, *ref_lead, *args, **kwargs)
+        got = intermediates(sim, names, *sim_lead, *args, **kwargs)
         return {n: sqnr_db(ref[n], got[n]) for n in names}
 
     def report(self, sample: tuple[Any, ...] | None = None) -> Report:
-        """What was quantized and how; with ``sample`` (a tuple of arguments) also the SQNR of
-        every quantized layer, rows sorted worst first."""
+        """What was quantized and how; with ``sample`` (a tuple of arguments, params excluded)
+        also the SQNR of every quantized layer, rows sorted worst first."""
+        params = self.params if self._with_params else None
         if sample is None:
-            return make_report(self.program)
+            return make_report(self.program, qparams=params)
         sample = sample if isinstance(sample, tuple) else (sample,)
-        return make_report(self.program, self.layer_sqnr(*sample))
+        return make_report(self.program, self.layer_sqnr(*sample), qparams=params)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Save the quantized program at its example shapes (int8 weights as int8, int4 packed) to
-        one safetensors file; ``jaxq.load(path)`` runs it without the model code."""
-        return self.program.save(path)
+        """Save the quantized program at its example shapes, with ``qf.params`` in it (int8
+        weights as int8, int4 packed), to one safetensors file; ``jaxq.load(path)`` runs it
+        without the model code."""
+        if not self._with_params:
+            return self.program.save(path)
+        args, kwargs = jax.tree.unflatten(self.program.in_tree, list(self.program.jaxpr.in_avals))
+        specs = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        params = self.params
+
+        def fun(*a: Any, **k: Any) -> Any:
+            return self.apply(params, *a, **k)
+
+        fun.__name__ = self.__name__
+        return trace(fun, *specs(tuple(args[1:])), **specs(kwargs)).save(path)
 
     def __repr__(self) -> str:
-        return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}>"
+        style = " params" if self._with_params else ""
+        return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}{style}>"
+
+
+def quantize_leaf(state: QState, plan: Any, value: Any) -> QArray:
+    """One param leaf quantized on the host, with the scheme, smoothing and GPTQ statistics of
+    the layer it feeds, in the leaf's own layout."""
+    site = state.sites[plan.site]
+    w = to_site(np.asarray(value), plan.chain)
+    smooth = state.smooth.get(plan.site)
+    if smooth is not None:
+        (k_axis,) = site.contract_axes
+        w = w.astype(np.float32) * smooth.reshape([-1 if d == k_axis else 1 for d in range(w.ndim)])
+    config = state.config
+    qw = quantize_weight(
+        w, site, config.weight_calibration, state.grams.get(plan.site), config.gptq_damp
+    )
+    return to_qarray(
+        plan,
+        qw.codes,
+        qw.scale,
+        qw.zero_point,
+        qw.group_scale,
+        qw.group_zero_point,
+        site.channel_axis,
+    )
 
 
 def _bind_weights(
@@ -348,8 +342,31 @@ def _bind_weights(
     return fun
 
 
+def _check_params_tree(params: Any) -> None:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    if any(isinstance(x, QArray) for x in jax.tree.leaves(params, is_leaf=is_qarray)):
+        raise QuantizeError(
+            "quantize: params hold QArrays already; pass the float params (QAT: "
+            "jaxq.quantize(f, params, mode='simulate'), then qf.realize(trained_params))"
+        )
+    if not any(float_leaf(x) for _, x in leaves):
+        raise QuantizeError(
+            "quantize: params hold no float arrays, so there is no weight to quantize; "
+            "f is called as f(params, *args)"
+        )
+    for path, x in leaves:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(
+            x, (int, float, bool, complex)
+        ):
+            raise TypeError(
+                f"quantize: params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
+                "array; params must be a pytree of arrays"
+            )
+
+
 def quantize(
     f: Callable[..., Any],
+    params: Any = None,
     *,
     calibration: Iterable[Any] | None = None,
     config: QConfig | None = None,
@@ -357,22 +374,33 @@ def quantize(
     weight_argnums: int | Iterable[int] = (),
     example_args: tuple[Any, ...] | None = None,
     progress: bool = True,
+    max_batches: int | None = None,
 ) -> QuantizedFunction:
     """Quantize ``f``: annotate, calibrate and (in ``"realize"`` mode) lower to integer code.
 
+    This is ``Sequential([annotate, calibrate, realize])`` run under the current
+    ``jaxq.transform.PassContext`` (its instruments see each phase; ``disabled=
+    ["quantize.realize"]`` gives the simulated function), wrapped in a :class:`QuantizedFunction`.
+
     Args:
-      f: the function. Weights are the arrays it closes over (``functools.partial(model.apply,
-        params)``) and the arguments at ``weight_argnums``.
-      calibration: an iterable of argument tuples of ``f`` (a bare array stands for a 1-tuple).
-        Needed for static activation scales; not for ``QConfig(dynamic=True)`` or weight-only.
+      f: the function, called as ``f(params, *args)`` when ``params`` is given (``model.apply``),
+        else ``f(*args)`` with the weights closed over (``functools.partial(model.apply, p)``) or
+        at ``weight_argnums``.
+      params: the float params, a pytree of arrays. Every leaf that feeds a matmul or convolution
+        (possibly through a transpose or a dtype convert) is quantized; ``qf.params`` holds a
+        :class:`jaxq.QArray` there and the other leaves as given.
+      calibration: an iterable of argument tuples of ``f`` without the params (a bare array
+        stands for a 1-tuple). Needed for static activation scales; not for
+        ``QConfig(dynamic=True)`` or weight-only.
       config: a :class:`QConfig` (default: W8 per channel, A8 per tensor, min/max).
       mode: ``"realize"`` (integer code) or ``"simulate"`` (fake quantization; QAT with
-        ``jax.grad``).
-      weight_argnums: positions of ``f``'s arguments that are weights. Their values come from
-        ``example_args`` (or the first calibration tuple); the returned function does not take
-        them.
-      example_args: arguments of ``f`` to trace with (default: the first calibration tuple).
-      progress: show a progress bar over calibration batches.
+        ``jax.grad`` of ``qf.apply`` with respect to the float params).
+      weight_argnums: (without params) positions of ``f``'s arguments that are weights, taken
+        from ``example_args`` (or the first calibration tuple); the result does not take them.
+      example_args: arguments of ``f`` (without the params) to trace with (default: the first
+        calibration tuple).
+      progress: show progress over calibration batches.
+      max_batches: use at most this many calibration batches.
     """
     if not callable(f):
         raise TypeError(f"quantize: f must be callable; got {type(f).__name__}")
@@ -386,15 +414,32 @@ def quantize(
         raise ValueError(
             f"quantize: weight_argnums must be non-negative ints; got {weight_argnums!r}"
         )
+    if params is not None:
+        if wa:
+            raise ValueError(
+                "quantize: pass the weights either as params or with weight_argnums, not both"
+            )
+        _check_params_tree(params)
     batches: Iterable[Any] | None = None
     first = None
     if calibration is not None:
-        if isinstance(calibration, (str, bytes)) or not isinstance(calibration, Iterable):
+        if (
+            isinstance(calibration, (str, bytes))
+            or not isinstance(calibration, Iterable)
+            or hasattr(calibration, "shape")
+        ):
             raise TypeError(
-                "quantize: calibration must be an iterable of argument tuples; got "
-                f"{type(calibration).__name__}"
+                "quantize: calibration must be an iterable of argument tuples, e.g. "
+                f"[(x1,), (x2,)]; got {type(calibration).__name__}"
+                + (
+                    " (one array: wrap each batch in a tuple)"
+                    if hasattr(calibration, "shape")
+                    else ""
+                )
             )
         it = iter(calibration)
+        if max_batches is not None:
+            it = itertools.islice(it, max_batches)
         try:
             first = next(it)
         except StopIteration:
@@ -433,17 +478,27 @@ def quantize(
     def retrace(*args: Any) -> Program:
         return prepare(trace(fun, *args))
 
+    lead: tuple[Any, ...] = ()
+    if params is not None:
+        params = jax.device_put(params)  # once: every calibration batch passes them again
+        lead = (_specs(params),)
     try:
-        program = trace(fun, *drop(example))
+        program = trace(fun, *lead, *drop(example))
     except Exception as e:
         raise QuantizeError(
             f"quantize: could not trace f with the example arguments: {type(e).__name__}: {e}"
         ) from e
-    program = annotate_program(program, config)
+    phases = [annotate(config, params_argnum=0 if params is not None else None)]
     if batches is not None and needs_data:
-        program = calibrate_program(
-            program, (drop(b) for b in batches), progress=progress, retrace=retrace
-        )
+        data: Iterable[Any] = (drop(b) for b in batches)
+        data = with_params(data, params) if params is not None else data
+        phases.append(calibrate(data, progress=progress, retrace=retrace))
     if mode == "realize":
-        program = realize_program(program)
-    return QuantizedFunction(fun, program, mode)
+        phases.append(realize())
+    program = Sequential(phases, name="quantize")(program)
+    if params is None:
+        return QuantizedFunction(fun, program)
+    qf = QuantizedFunction(fun, program, float_params=params)
+    realized = get_state(program, "quantize").mode == "realize"
+    qf.params = qf.quantize_params(params, progress=progress) if realized else params
+    return qf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -15,6 +16,7 @@ from jax import lax
 
 from jaxq._program import Program
 from jaxq._walk import RewriteError, interpret
+from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._config import CALIBRATIONS, QConfig
 from jaxq.quantize._lower import (
     ActParams,
@@ -29,9 +31,12 @@ from jaxq.quantize._lower import (
     raise_cause,
     range_to_qparams,
     simulate_handler,
+    source_inputs,
     with_state,
 )
 from jaxq.quantize._observers import Observer, batch_stats
+from jaxq.quantize._params import to_float
+from jaxq.quantize._smooth import factors
 from jaxq.transform import Pass, PassContext, program_pass
 
 
@@ -122,7 +127,7 @@ def _observer_fn(
     def run(radii: dict[str, Any], *flat: Any) -> dict[str, Any]:
         stats: dict[str, Any] = {}
 
-        def handle(visit: Any, site: Site, qw: QWeight, invals: list[Any]) -> Any:
+        def handle(visit: Any, site: Site, qw: QWeight | None, invals: list[Any]) -> Any:
             y = visit.bind(*invals)
             if site.in_loop:
                 return y
@@ -130,8 +135,11 @@ def _observer_fn(
             axis = gptq_input_axis(visit, site)
             if absmax:
                 if axis is not None and site.activations is not None:
-                    x = jnp.moveaxis(jnp.abs(a.astype(jnp.float32)), axis, -1)
-                    stats[site.name + ":absmax"] = jnp.max(x.reshape(-1, x.shape[-1]), axis=0)
+                    (k_axis,) = site.contract_axes
+                    stats[site.name + ":absmax"] = _channel_absmax(a, axis)
+                    stats[site.name + ":wabsmax"] = _channel_absmax(
+                        invals[site.weight_index], k_axis
+                    )
                 return y
             if gptq:
                 gram = _gram(a, axis) if axis is not None else _conv_gram(visit, site, a)
@@ -144,11 +152,20 @@ def _observer_fn(
                     stats[out_key] = batch_stats(y, radii.get(out_key))
             return y
 
-        engine = Engine(state, handle)
-        interpret(source, engine.rules(), *flat, scope="quantize")
+        engine = Engine(state, handle, mode="observe")
+        inputs = list(flat)
+        if state.params is not None:
+            inputs = source_inputs(state, source.in_tree, flat, quantized=False)
+        interpret(source, engine.rules(), *inputs, scope="quantize", coerce=to_float)
         return stats
 
     return jax.jit(run)
+
+
+def _channel_absmax(v: jax.Array, axis: int) -> jax.Array:
+    """``max |v|`` per index of ``axis`` (an input channel)."""
+    x = jnp.moveaxis(jnp.abs(jnp.asarray(v).astype(jnp.float32)), axis, -1)
+    return jnp.max(x.reshape(-1, x.shape[-1]), axis=0)
 
 
 def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
@@ -210,13 +227,13 @@ def _observe(
             raise_cause(e)
             raise
         stats = jax.device_get(stats)
-        for k in [k for k in stats if k.endswith((":gram", ":absmax"))]:
+        for k in [k for k in stats if k.endswith((":gram", ":absmax", ":wabsmax"))]:
             name, kind = k.rsplit(":", 1)
             v = np.asarray(stats.pop(k), np.float64)
             _check_finite(name, v, n - 1)
-            if name in arrays:
-                v = arrays[name] + v if kind == "gram" else np.maximum(arrays[name], v)
-            arrays[name] = v
+            if k in arrays:
+                v = arrays[k] + v if kind == "gram" else np.maximum(arrays[k], v)
+            arrays[k] = v
         for k, s in stats.items():
             if int(s["nonfinite"]):
                 raise QuantizeError(
@@ -253,10 +270,12 @@ def calibrate_program(
     percentile: float | None = None,
     progress: bool = True,
     retrace: Callable[..., Program] | None = None,
+    max_batches: int | None = None,
 ) -> Program:
     """See :func:`calibrate`. ``retrace(*args)`` gives the float program at new shapes (used by
     ``jaxq.quantize``, which has the function); without it every batch must match the program."""
     state = get_state(program, "calibrate")
+    state = state.replace(source=float_source(program, state, "calibrate"))
     config: QConfig = state.config
     method = config.calibration if method is None else method
     if method not in CALIBRATIONS:
@@ -264,10 +283,15 @@ def calibrate_program(
     pct = config.percentile if percentile is None else percentile
     if not 0 < pct <= 100:
         raise ValueError(f"calibrate: percentile must be in (0, 100]; got {pct}")
-    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
+    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable) or hasattr(data, "shape"):
         raise TypeError(
-            f"calibrate: data must be an iterable of argument tuples; got {type(data).__name__}"
+            f"calibrate: data must be an iterable of argument tuples, e.g. [(x1,), (x2,)]; got "
+            f"{type(data).__name__}{' (one array: wrap each batch in a tuple)' if hasattr(data, 'shape') else ''}"
         )
+    if max_batches is not None:
+        if not isinstance(max_batches, int) or max_batches < 1:
+            raise ValueError(f"calibrate: max_batches must be a positive int; got {max_batches!r}")
+        data = list(itertools.islice(data, max_batches))
     histogram = method != "minmax"
     gptq = config.weight_calibration == "gptq"
     observe = functools.partial(_observe, progress=progress, retrace=retrace)
@@ -275,13 +299,19 @@ def calibrate_program(
         # Pass 1 measures each input channel's range; pass 2 calibrates the smoothed operands.
         if iter(data) is data:  # a one-shot iterator: keep the batches for the second pass
             data = list(data)
-        _, absmax, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
+        _, ranges, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
+        absmax = {k.removesuffix(":absmax"): v for k, v in ranges.items() if k.endswith(":absmax")}
+        smooth = {
+            name: factors(a, ranges[name + ":wabsmax"], config.smoothing)
+            for name, a in absmax.items()
+        }
         weights = {k: v for k, v in state.weights.items() if k not in absmax}
-        state = state.replace(act_absmax=absmax, weights=weights)
+        state = state.replace(act_absmax=absmax, smooth=smooth, weights=weights)
     keys = _observed_keys(state)
-    observers, grams, n = observe(
+    observers, arrays, n = observe(
         state, data, keys=keys, histogram=histogram, gptq=gptq, absmax=False
     )
+    grams = {k.removesuffix(":gram"): v for k, v in arrays.items()}
     act: dict[str, ActParams] = dict(state.act)
     for k, site in keys:
         o = observers[k]
@@ -303,8 +333,13 @@ def calibrate_program(
     if config.smoothing is not None:
         info["smoothed_layers"] = len(state.act_absmax)
     state = state.replace(act=act, calibration=info)
+    if state.params is not None:  # the codes are chosen per leaf by quantize_params
+        state = state.replace(grams={k: v.astype(np.float32) for k, v in grams.items()})
+        grams = {}
     out, engine = lower(state, simulate_handler(state), grams=grams)
-    return with_state(out, state.replace(mode="simulate", weights=engine.weights))
+    check_sites(state, engine, "calibrate")
+    state = state.replace(mode="simulate", weights=engine.weights, output=out.jaxpr)
+    return with_state(out, state)
 
 
 def calibrate(
@@ -313,6 +348,8 @@ def calibrate(
     *,
     percentile: float | None = None,
     progress: bool = True,
+    max_batches: int | None = None,
+    retrace: Callable[..., Program] | None = None,
 ) -> Pass:
     """A pass that runs ``data`` (an iterable of argument tuples; a one-shot iterator is used up by
     the first run) through the float program, jitted, and stores activation scales per layer.
@@ -320,7 +357,11 @@ def calibrate(
     ``method`` (default: the annotated QConfig's): ``"minmax"``, ``"percentile"``, ``"entropy"``
     (KL divergence, TensorRT style) or ``"mse"``; ``PassContext(config={"quantize.calibrate.method":
     ..., "quantize.calibrate.percentile": ...})`` sets them for a whole pipeline. Memory is bounded: running min/max and a
-    fixed-size histogram per activation, never the activations themselves.
+    fixed-size histogram per activation, never the activations themselves. ``max_batches`` stops
+    after that many batches (an endless iterator is fine). ``retrace(*args)`` gives the float
+    program for a batch of other shapes (``jaxq.quantize`` passes one; without it every batch
+    must match the program's shapes). A program traced with params (``annotate(...,
+    params_argnum=0)``) takes them in every batch: ``(params, x)``.
     """
     if method is not None and method not in CALIBRATIONS:
         raise ValueError(f"calibrate: method must be one of {CALIBRATIONS}; got {method!r}")
@@ -334,6 +375,8 @@ def calibrate(
             method=method or options.get("quantize.calibrate.method"),
             percentile=percentile or options.get("quantize.calibrate.percentile"),
             progress=progress,
+            retrace=retrace,
+            max_batches=max_batches,
         )
 
     return run

@@ -6,10 +6,11 @@ mode: ``"simulate"`` (fake-quantize with ``simulated_quantize``), ``"observe"`` 
 calibration) or ``"realize"`` (integer code). Sites, calibrated scales and quantized weights are keyed
 by equation name, so a re-trace at new shapes finds them again.
 
-A weight is an operand whose value is known while rewriting: a constant of the jaxpr (arrays the
-function closes over), or one derived from constants only through pass-through ops (transpose,
-reshape, convert...), which are folded here. Calls to ``jit`` are inlined so that weights flow into
-their bodies.
+A weight is either a param leaf (``jaxq.quantize(f, params)``: an input of the program, tracked
+through layout-only equations as a ``WeightRef``, see ``_params``) or an operand whose value is
+known while rewriting: a constant of the jaxpr (arrays the function closes over), or one derived
+from constants only through pass-through ops (transpose, reshape, convert...), which are folded
+here. Calls to ``jit`` are inlined so that weights flow into their bodies.
 """
 
 from __future__ import annotations
@@ -27,11 +28,22 @@ from jax import lax
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq._walk import RewriteError, Visit, rewrite
+from jaxq._program import _path_str as path_str
+from jaxq._walk import RewriteError, Visit, retrace, rewrite
 from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
 from jaxq.quantize._gptq import gptq_codes
-from jaxq.quantize._smooth import smoothing_factors
+from jaxq.quantize._params import (
+    CHAIN,
+    LeafPlan,
+    QView,
+    WeightRef,
+    chain_value,
+    float_leaf,
+    leaf_axis,
+    to_float,
+)
+from jaxq.quantize._qarray import QArray, is_qarray
 
 if TYPE_CHECKING:
     from jax.core import ShapedArray
@@ -93,15 +105,16 @@ class Site:
 @dataclasses.dataclass(frozen=True, eq=False)
 class QWeight:
     """A weight quantized once: signed codes (offset into the signed range of ``bits``) and the
-    scale / zero point broadcastable against the weight (zero point in code units, offset too)."""
+    scale / zero point broadcastable against the weight (zero point in code units, offset too).
+    Host numpy arrays for a constant weight; traced arrays for a param (``view_qweight``)."""
 
-    codes: np.ndarray  # int8, the weight's shape
-    scale: np.ndarray  # float32, broadcastable to the weight (full size for groups)
-    zero_point: np.ndarray  # int32, same shape as scale
+    codes: Any  # int8, the weight's shape
+    scale: Any  # float32, broadcastable to the weight (full size for groups)
+    zero_point: Any  # int32, broadcastable like scale
     offset: int  # codes = unsigned codes + offset (0 for signed schemes)
     bits: int
-    group_scale: np.ndarray | None = None  # [channels, groups] for granularity="group"
-    group_zero_point: np.ndarray | None = None
+    group_scale: Any = None  # [channels, groups] for granularity="group"
+    group_zero_point: Any = None
     method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
 
     @property
@@ -130,9 +143,53 @@ class QState:
     mode: str = "simulate"
     act_absmax: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     """Per-input-channel ``max |X|`` of smoothed layers (``QConfig.smoothing``)."""
+    smooth: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """SmoothQuant factors ``s`` per layer (the activation is divided by them, the weight times)."""
+    params: ParamSpec | None = None
+    """Which program inputs are the params (``jaxq.quantize(f, params)``), else None."""
+    leaves: Mapping[int, LeafPlan] = dataclasses.field(default_factory=dict)
+    """Quantized param leaves by flat index: the layer each feeds, and how."""
+    grams: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """GPTQ's ``X^T X`` per layer (params style: the codes are chosen by ``quantize_params``)."""
+    output: Any = None
+    """The jaxpr the last phase produced: a later phase given another program re-reads it."""
 
     def replace(self, **changes: Any) -> QState:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """The params argument of the traced function: ``args[argnum]``, flat inputs
+    ``[start, start + len(paths))`` of the program."""
+
+    argnum: int
+    start: int
+    paths: tuple[str, ...]
+    avals: tuple[Any, ...]
+    tree: Any
+
+    @property
+    def count(self) -> int:
+        return len(self.paths)
+
+
+def param_spec(program: Program, argnum: int) -> ParamSpec:
+    """Locate ``args[argnum]`` among the program's flat inputs."""
+    n = len(program.jaxpr.in_avals)
+    args, _ = jax.tree.unflatten(program.in_tree, list(range(n)))
+    if not 0 <= argnum < len(args):
+        raise QuantizeError(
+            f"quantize: params are argument {argnum}, but the function takes {len(args)} "
+            "positional arguments"
+        )
+    idx, tree = jax.tree.flatten(args[argnum])
+    start = idx[0] if idx else 0
+    paths = tuple(
+        program.in_paths[i].removeprefix(f"args[{argnum}]") or f"args[{argnum}]" for i in idx
+    )
+    avals = tuple(program.jaxpr.in_avals[i] for i in idx)
+    return ParamSpec(argnum, start, paths, avals, tree)
 
 
 def get_state(program: Program, who: str) -> QState:
@@ -260,6 +317,80 @@ def _weight_ranges(
     return lo * best_r, hi * best_r
 
 
+def weight_qparams(wf: jax.Array, site: Site, method: str) -> tuple[Any, Any, Any, Any]:
+    """``(scale, zero_point, group_scale, group_zero_point)`` of a float32 weight in the site's
+    orientation: scale and zero point broadcastable to it (full size for groups), the group ones
+    ``[channels, groups]`` (None unless grouped). Core ops only, so the same arithmetic runs on
+    the host (``quantize_weight``) and inside a program (QAT on params)."""
+    s = site.weights
+    if s.granularity in ("tensor", "channel"):
+        wc = jnp.moveaxis(wf, site.channel_axis, -1).reshape(-1, wf.shape[site.channel_axis])
+        axes = (0, 1) if s.granularity == "tensor" else (0,)
+        lo, hi = _weight_ranges(wc, axes, s, method)
+        scale, zp = range_to_qparams(lo, hi, s)
+        if s.granularity == "channel":  # [1, N] -> broadcastable to the weight
+            shape = [1] * wf.ndim
+            shape[site.channel_axis] = -1
+            return scale.reshape(shape), zp.reshape(shape), None, None
+        return scale.reshape(()), zp.reshape(()), None, None
+    # group: a 2-D weight, groups along the contracted axis, per channel
+    wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
+    n, kk = wt.shape
+    g = s.group_size
+    assert g is not None  # Scheme requires group_size with granularity="group"
+    lo, hi = _weight_ranges(wt.reshape(n, kk // g, g), (2,), s, method)
+    group_scale, group_zp = range_to_qparams(lo[..., 0], hi[..., 0], s)
+    full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
+    full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
+    return full_scale, full_zp, group_scale, group_zp
+
+
+def traced_qweight(w: jax.Array, site: Site, method: str) -> QWeight:
+    """A weight's scales computed inside the program from its current value (params in simulate
+    mode: QAT moves the weights, and the scales follow). No codes: the simulated program
+    fake-quantizes the weight itself. ``"gptq"`` needs data, so it uses minmax scales here."""
+    wf = lax.stop_gradient(w.astype(jnp.float32))
+    scale, zp, gs, gz = weight_qparams(wf, site, "mse" if method == "mse" else "minmax")
+    off = storage_offset(site.weights)
+    return QWeight(
+        codes=None,  # (not materialized in simulate mode)
+        scale=scale,
+        zero_point=(zp + off).astype(jnp.int32),
+        offset=off,
+        bits=site.weights.bits,
+        group_scale=gs,
+        group_zero_point=None if gz is None else (gz + off).astype(jnp.int32),
+        method=method,
+    )
+
+
+def view_qweight(view: QView, site: Site) -> QWeight:
+    """A QArray's values (traced, in the site's orientation) as the QWeight realize lowers;
+    a symmetric weight's zero point is a host zero, so no zero-point term is emitted."""
+    s = site.weights
+    scale = view.scale
+    symmetric = view.zero_point is None
+    zp = np.zeros((), np.int32) if symmetric else view.zero_point
+    gs = gz = None
+    if s.granularity == "group":
+        c = site.channel_axis
+        n = view.codes.shape[c]
+        gs = jnp.moveaxis(scale, c, 0).reshape(n, -1)
+        gz = np.zeros(gs.shape, np.int32) if symmetric else jnp.moveaxis(zp, c, 0).reshape(n, -1)
+        scale = view.full(scale)
+        zp = zp if symmetric else view.full(zp)
+    return QWeight(
+        codes=view.codes,
+        scale=scale,
+        zero_point=zp,
+        offset=storage_offset(s),
+        bits=s.bits,
+        group_scale=gs,
+        group_zero_point=gz,
+        method="params",
+    )
+
+
 def quantize_weight(
     w: Any,
     site: Site,
@@ -276,28 +407,7 @@ def quantize_weight(
         wf = jnp.asarray(w, jnp.float32)
         if not bool(jnp.all(jnp.isfinite(wf))):
             raise QuantizeError(f"quantize: weight of {site.name!r} holds NaN or Inf")
-        group_scale = group_zp = None
-        if s.granularity in ("tensor", "channel"):
-            wc = jnp.moveaxis(wf, site.channel_axis, -1).reshape(-1, wf.shape[site.channel_axis])
-            axes = (0, 1) if s.granularity == "tensor" else (0,)
-            lo, hi = _weight_ranges(wc, axes, s, method)
-            scale, zp = range_to_qparams(lo, hi, s)
-            if s.granularity == "channel":  # [1, N] -> broadcastable to the weight
-                shape = [1] * wf.ndim
-                shape[site.channel_axis] = -1
-                scale, zp = scale.reshape(shape), zp.reshape(shape)
-            else:
-                scale, zp = scale.reshape(()), zp.reshape(())
-            full_scale, full_zp = scale, zp
-        else:  # group: a 2-D weight, groups along the contracted axis, per channel
-            wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
-            n, kk = wt.shape
-            g = s.group_size
-            assert g is not None  # Scheme requires group_size with granularity="group"
-            lo, hi = _weight_ranges(wt.reshape(n, kk // g, g), (2,), s, method)
-            group_scale, group_zp = range_to_qparams(lo[..., 0], hi[..., 0], s)
-            full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
-            full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
+        full_scale, full_zp, group_scale, group_zp = weight_qparams(wf, site, method)
         off = storage_offset(s)
         scales = QWeight(
             codes=np.zeros(wf.shape, np.int8),
@@ -630,7 +740,9 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-SiteHandler = Callable[[Visit, Site, QWeight, list[Any]], Any]
+SiteHandler = Callable[[Visit, Site, Any, list[Any]], Any]
+"""``handler(visit, site, qweight, invals)``: ``qweight`` is None where the weight needs none
+(calibration; params already quantized)."""
 
 
 class Engine:
@@ -642,11 +754,15 @@ class Engine:
         handler: SiteHandler,
         chains: Mapping[str, str] | None = None,
         grams: Mapping[str, np.ndarray] | None = None,
+        *,
+        mode: str = "simulate",
     ) -> None:
         self.state = state
         self.chains = dict(chains or {})
         self.grams = dict(grams or {})  # layers to (re)quantize with GPTQ
         self.handler = handler
+        self.mode = mode  # "simulate", "observe" or "realize": what a param weight becomes
+        self.leaves: dict[int, LeafPlan] = {}
         self.sites: dict[str, Site] = {}
         self.skipped: dict[str, str] = {}
         self.weights: dict[str, QWeight] = dict(state.weights)
@@ -693,6 +809,12 @@ class Engine:
         return [qt] if visit.eqn.primitive.multiple_results else qt
 
     def fold_rule(self, visit: Visit, *invals: Any) -> Any:
+        if any(isinstance(v, WeightRef) for v in invals):
+            ref = invals[0]
+            if visit.primitive in CHAIN and len(invals) == 1 and isinstance(ref, WeightRef):
+                value = chain_value(ref.value, visit.primitive, visit.params, visit.bind)
+                return ref.then(visit.primitive, visit.params, value)
+            return visit.bind(*(to_float(v) for v in invals))
         if invals and all(is_concrete(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
@@ -716,13 +838,19 @@ class Engine:
         raw = list(invals)
 
         def bind_float() -> Any:  # leave the equation as it is (dequantizing any int8 operand)
-            return visit.bind(*(v.dequantize() if isinstance(v, QTensor) else v for v in raw))
+            return visit.bind(
+                *(v.dequantize() if isinstance(v, QTensor) else to_float(v) for v in raw)
+            )
 
         if weights is None:
             if visit.primitive not in ELEMENTWISE or rule is not None:
                 self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
             return bind_float()
-        concrete = [i for i, v in enumerate(raw) if not isinstance(v, QTensor) and is_concrete(v)]
+        concrete = [
+            i
+            for i, v in enumerate(raw)
+            if isinstance(v, WeightRef) or (not isinstance(v, QTensor) and is_concrete(v))
+        ]
         if len(concrete) != 1:
             self.skipped[name] = (
                 "no constant (weight) operand" if not concrete else "both operands constant"
@@ -734,17 +862,30 @@ class Engine:
         if isinstance(site, str):
             self.skipped[name] = site
             return bind_float()
-        absmax = self.state.act_absmax.get(name)
-        if absmax is not None and config.smoothing is not None:
+        if isinstance(raw[wi], WeightRef):
+            plan = self.plan_leaf(raw[wi], site, visit)
+            if isinstance(plan, str):
+                self.skipped[name] = plan
+                return bind_float()
+        smooth = self.state.smooth.get(name)
+        if smooth is not None:
             a_axis = gptq_input_axis(visit, site)
             assert a_axis is not None  # calibrate measures absmax only where it applies
             (k_axis,) = site.contract_axes
-            w = np.asarray(raw[wi])
-            s = smoothing_factors(absmax, w, k_axis, config.smoothing)
             shape = lambda ndim, axis: [-1 if d == axis else 1 for d in range(ndim)]
-            raw[wi] = (w * s.reshape(shape(w.ndim, k_axis))).astype(w.dtype)
             a = raw[1 - wi]
-            raw[1 - wi] = a / s.reshape(shape(a.ndim, a_axis)).astype(a.dtype)
+            raw[1 - wi] = a / smooth.reshape(shape(a.ndim, a_axis)).astype(a.dtype)
+            w = raw[wi]
+            if not isinstance(w, WeightRef):
+                w = np.asarray(w)
+                raw[wi] = (w * smooth.reshape(shape(w.ndim, k_axis))).astype(w.dtype)
+            elif not isinstance(w.value, QView):  # (a QArray holds the codes of s W already)
+                v = w.value
+                raw[wi] = WeightRef(
+                    w.leaf, v * smooth.reshape(shape(v.ndim, k_axis)).astype(v.dtype)
+                )
+        if isinstance(raw[wi], WeightRef):
+            return self.param_site(visit, site, raw)
         qw = self.weights.get(name)
         if qw is None or qw.shape != tuple(np.shape(raw[wi])) or name in self.grams:
             qw = quantize_weight(
@@ -756,25 +897,143 @@ class Engine:
         self.sites[name] = site
         return self.handler(visit, site, qw, raw)
 
+    def plan_leaf(self, ref: WeightRef, site: Site, visit: Visit) -> LeafPlan | str:
+        """The plan of the param leaf behind ``ref`` for this site, shared with an earlier site
+        only when both quantize it the same way (a reason to stay float otherwise)."""
+        spec = self.state.params
+        assert spec is not None  # WeightRefs only enter programs traced with params
+        group = site.weights.granularity == "group"
+        plan = LeafPlan(
+            leaf=ref.leaf,
+            path=spec.paths[ref.leaf],
+            site=site.name,
+            chain=ref.chain,
+            scheme=site.weights,
+            channel_axis=leaf_axis(ref.chain, site.channel_axis),
+            group_axis=leaf_axis(ref.chain, site.contract_axes[0]) if group else None,
+            shape=tuple(spec.avals[ref.leaf].shape),
+            dtype=np.dtype(spec.avals[ref.leaf].dtype).name,
+        )
+        first = self.leaves.get(ref.leaf)
+        if first is None:
+            known = self.state.leaves.get(ref.leaf)
+            if isinstance(ref.value, QView) and (known is None or known.site != site.name):
+                raise QuantizeError(
+                    f"quantize: the program's quantization sites no longer match its state: "
+                    f"param {plan.path} reaches {site.name!r}, planned for "
+                    f"{None if known is None else known.site!r}. Run the passes that change "
+                    "the program before jaxq.quantize.annotate."
+                )
+            self.leaves[ref.leaf] = plan
+            return plan
+        same = (first.scheme, first.channel_axis, first.group_axis) == (
+            plan.scheme,
+            plan.channel_axis,
+            plan.group_axis,
+        )
+        smoothed = site.name in self.state.smooth or first.site in self.state.smooth
+        if not same or smoothed:
+            return (
+                f"param {plan.path} is quantized for {first.site!r} with another scheme or "
+                "layout; a Rule giving both layers one scheme quantizes it for both"
+            )
+        return first
+
+    def param_site(self, visit: Visit, site: Site, raw: list[Any]) -> Any:
+        """A site whose weight is a param leaf: a float value (the program computes its scales,
+        or, in calibration, only observes) or a QArray (realize: the codes are inputs)."""
+        wi = site.weight_index
+        ref = raw[wi]
+        self.sites[site.name] = site
+        new = list(raw)
+        if isinstance(ref.value, QView):
+            if self.mode == "realize":  # integer code on the QArray's codes
+                new[wi] = None
+                return self.handler(visit, site, view_qweight(ref.value, site), new)
+            new[wi] = ref.value.dequantize()  # simulate on quantized params: the weight's value
+            return self.handler(visit, site, None, new)
+        new[wi] = ref.value
+        if self.mode != "simulate":
+            return self.handler(visit, site, None, new)
+        return self.handler(
+            visit, site, traced_qweight(ref.value, site, self.state.config.weight_calibration), new
+        )
+
 
 def lower(
     state: QState,
     handler: SiteHandler,
     *,
+    mode: str = "simulate",
+    quantized_params: bool = False,
     integer_chains: bool = False,
     grams: Mapping[str, np.ndarray] | None = None,
+    source: Program | None = None,
 ) -> tuple[Program, Engine]:
-    """Rewrite the float program through the engine's rules (``rewrite`` re-traces it).
-    ``integer_chains`` (realize) runs planned pass-through equations on int8 codes; ``grams``
-    (calibrate) re-quantizes those layers' weights with GPTQ."""
-    chains = plan_chains(state.source, state) if integer_chains else None
-    engine = Engine(state, handler, chains, grams)
+    """Rewrite the float program (``source``, default the state's) through the engine's rules
+    (``rewrite`` re-traces it). ``integer_chains`` (realize) runs planned pass-through equations
+    on int8 codes; ``grams`` (calibrate) re-quantizes those layers' weights with GPTQ. With params
+    (``state.params``) the result takes QArrays at the planned leaves when ``quantized_params``
+    (always in realize), float params otherwise."""
+    source = state.source if source is None else source
+    chains = plan_chains(source, state) if integer_chains else None
+    engine = Engine(state, handler, chains, grams, mode=mode)
     try:
-        out = rewrite(state.source, engine.rules(), scope="quantize")
+        if state.params is None:
+            out = rewrite(source, engine.rules(), scope="quantize")
+        else:
+            quantized = quantized_params or mode == "realize"
+            in_tree, specs, paths = param_signature(source, state, quantized)
+            closed = retrace(
+                source,
+                engine.rules(),
+                specs,
+                lambda flat: source_inputs(state, in_tree, flat, quantized),
+                scope="quantize",
+                coerce=to_float,
+            )
+            out = source.with_jaxpr(closed, in_tree=in_tree, in_paths=paths)
     except RewriteError as e:
         raise_cause(e)
         raise
     return out, engine
+
+
+def param_signature(
+    source: Program, state: QState, quantized: bool
+) -> tuple[Any, list[Any], tuple[str, ...]]:
+    """``(in_tree, flat input specs, input paths)`` of the program with params: QArray specs at
+    the planned leaves when ``quantized``, else the float program's own."""
+    spec = state.params
+    assert spec is not None  # only programs traced with params have a param signature
+    flat = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in source.jaxpr.in_avals]
+    args, kwargs = jax.tree.unflatten(source.in_tree, flat)
+    leaves: list[Any] = flat[spec.start : spec.start + spec.count]
+    if quantized:
+        leaves = [state.leaves[i].spec() if i in state.leaves else x for i, x in enumerate(leaves)]
+    args = (*args[: spec.argnum], jax.tree.unflatten(spec.tree, leaves), *args[spec.argnum + 1 :])
+    with_paths, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    return in_tree, [x for _, x in with_paths], tuple(path_str(p) for p, _ in with_paths)
+
+
+def source_inputs(state: QState, in_tree: Any, flat: Any, quantized: bool) -> list[Any]:
+    """The float program's input values for a call with ``in_tree``: param leaves as WeightRefs
+    (QArrays seen as QViews), everything else as given."""
+    spec = state.params
+    assert spec is not None  # only programs traced with params have params to wrap
+    args, kwargs = jax.tree.unflatten(in_tree, list(flat))
+    leaves = jax.tree.leaves(args[spec.argnum], is_leaf=is_qarray)
+    refs = [
+        WeightRef(i, QView.of(x))
+        if isinstance(x, QArray)
+        else WeightRef(i, x)
+        if not quantized and float_leaf(x)
+        else x
+        for i, x in enumerate(leaves)
+    ]
+    before = jax.tree.leaves(args[: spec.argnum])
+    after = jax.tree.leaves((args[spec.argnum + 1 :], kwargs))
+    return [*before, *refs, *after]
 
 
 def raise_cause(e: BaseException) -> None:
@@ -787,11 +1046,12 @@ def raise_cause(e: BaseException) -> None:
 
 
 def simulate_handler(state: QState) -> SiteHandler:
-    def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> Any:
+    def handle(visit: Visit, site: Site, qw: QWeight | None, invals: list[Any]) -> Any:
         wi = site.weight_index
-        w_fq = fake_quant_weight(invals[wi], qw, site)
         new = list(invals)
-        new[wi] = w_fq.astype(jnp.asarray(invals[wi]).dtype)
+        if qw is not None:  # (None: the weight is a quantized param's value already)
+            w_fq = fake_quant_weight(invals[wi], qw, site)
+            new[wi] = w_fq.astype(jnp.asarray(invals[wi]).dtype)
         scheme = site.activations
         if scheme is not None:
             a = invals[1 - wi]

@@ -37,6 +37,7 @@ from jax import lax
 from jaxq._program import Program
 from jaxq._walk import Visit
 from jaxq.quantize import _fixed_point as F
+from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import (
     QUANTIZABLE,
@@ -55,45 +56,26 @@ from jaxq.quantize._lower import (
     storage_offset,
     with_state,
 )
+from jaxq.quantize._qarray import pack_axis as pack_axis
+from jaxq.quantize._qarray import pack_int4 as pack_int4
+from jaxq.quantize._qarray import unpack_int4 as unpack_int4
 from jaxq.transform import Pass, program_pass
 
 # ---- weight storage -----------------------------------------------------------------------------
 
 
-def pack_axis(shape: tuple[int, ...]) -> int | None:
-    """The axis int4 codes are packed along (its two halves share bytes): the first of even
-    length, so unpacking is one concatenate; None (packed flat, padded) when no axis is even."""
-    return next((d for d, n in enumerate(shape) if n % 2 == 0), None)
-
-
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """Signed codes in [-8, 7] -> int8 bytes, two per byte: the first half of the packing axis
-    in the low nibbles, the second half in the high nibbles."""
-    q = np.asarray(q, np.int8)
-    axis = pack_axis(q.shape)
-    if axis is None:
-        q = np.concatenate([q.reshape(-1), np.zeros(q.size % 2, np.int8)])
-        axis = 0
-    lo, hi = np.split(q, 2, axis=axis)
-    return ((lo.astype(np.uint8) & 0xF) | ((hi.astype(np.uint8) & 0xF) << 4)).view(np.int8)
-
-
-def unpack_int4(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of :func:`pack_int4`: two arithmetic shifts (sign extension) and a concatenate,
-    which XLA fuses into the consumer's loop."""
-    lo = lax.shift_right_arithmetic(lax.shift_left(packed, jnp.int8(4)), jnp.int8(4))
-    hi = lax.shift_right_arithmetic(packed, jnp.int8(4))
-    axis = pack_axis(shape)
-    if axis is None:
-        return jnp.concatenate([lo, hi])[: math.prod(shape)].reshape(shape)
-    return jnp.concatenate([lo, hi], axis=axis)
-
-
 def weight_codes(qw: QWeight) -> jax.Array:
-    """The weight codes as an int8 value of the program: a constant, or unpacked from one."""
-    if qw.bits <= 4:
+    """The weight codes as an int8 value of the program: a constant (unpacked from one for 4 bits
+    or fewer), or a param's codes (already unpacked)."""
+    if qw.bits <= 4 and _host(qw.codes):
         return unpack_int4(jnp.asarray(pack_int4(qw.codes)), qw.codes.shape)
     return jnp.asarray(qw.codes)
+
+
+def _nonzero(v: Any) -> bool:
+    """Whether a weight zero point may be non-zero: a host one is looked at; a param's is not
+    known until run time (symmetric params have a host zero)."""
+    return bool(np.any(v != 0)) if _host(v) else True
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -164,11 +146,17 @@ def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
     amax_raw = max(abs(qmin + off), abs(qmax + off))
     amax_centered = qmax - qmin if za is None else max(abs(qmin - za), abs(qmax - za))
     axes = tuple(d for d in range(qw.codes.ndim) if d != site.channel_axis)
-    c = qw.codes.astype(np.int64)
-    raw = np.abs(c).sum(axis=axes).max() * amax_raw
-    centered = np.abs(c - qw.zero_point).sum(axis=axes).max() * amax_centered
     k = math.prod(qw.codes.shape[d] for d in axes)
-    zero_point_terms = int(np.abs(qw.zero_point).max()) * k * amax_raw  # zw sum(a), K za zw
+    if _host(qw.codes, qw.zero_point):
+        c = qw.codes.astype(np.int64)
+        raw = np.abs(c).sum(axis=axes).max() * amax_raw
+        centered = np.abs(c - qw.zero_point).sum(axis=axes).max() * amax_centered
+        zero_point_terms = int(np.abs(qw.zero_point).max()) * k * amax_raw  # zw sum(a), K za zw
+    else:  # a param's codes are not known here: the bound of any codes of these bits
+        wmax = 2**site.weights.bits
+        raw = k * wmax // 2 * amax_raw
+        centered = k * wmax * amax_centered
+        zero_point_terms = k * wmax * amax_raw
     bound = max(int(raw), int(centered), zero_point_terms)
     if bound >= 2**31:
         raise QuantizeError(
@@ -252,11 +240,11 @@ def _dot_finish(
     assert scheme is not None  # realize_handler lowers only sites with activation schemes
     w_contract = (lc, rc)[wi]
     zp_a = not (scheme.symmetric and scheme.signed) and not centered
-    zp_w = bool(np.any(qw.zero_point != 0))
+    zp_w = _nonzero(qw.zero_point)
     to_out_a = lambda v: _dot_to_out(v, ai, dn, ranks)
     to_out_w = lambda v: _dot_to_out(v, wi, dn, ranks)
     if zp_a:
-        colsum = qw.codes.astype(np.int32).sum(axis=w_contract, keepdims=True)
+        colsum = _xp(qw.codes).sum(qw.codes.astype(np.int32), axis=w_contract, keepdims=True)
         acc = acc - to_out_a(za_s) * to_out_w(colsum)
     if zp_w:
         k = math.prod(qw.codes.shape[d] for d in w_contract)
@@ -300,11 +288,12 @@ def _int_dot_grouped(
     # per-token values ([lead..., 1] after moving the contracted axis last) gain the group dim
     za_g = jnp.moveaxis(za_s, ka, -1)[None] if np.ndim(za_s) else za_s
     if not (scheme.symmetric and scheme.signed):
-        w_kn = np.moveaxis(qw.codes, site.channel_axis, -1).astype(np.int32)
+        xp = _xp(qw.codes)
+        w_kn = xp.moveaxis(qw.codes, site.channel_axis, -1).astype(np.int32)
         colsum = w_kn.reshape(groups, g, n).sum(1).reshape(groups, *expand, n)
         acc = acc - za_g * colsum
     gzp = qw.group_zero_point.T  # [G, N]
-    if np.any(gzp != 0):
+    if _nonzero(gzp):
         rowsum = jnp.moveaxis(jnp.sum(qa_g.astype(jnp.int32), axis=-1), -1, 0)[..., None]
         zw = gzp.reshape(groups, *expand, n)
         acc = acc - zw * rowsum + g * za_g * zw
@@ -440,10 +429,10 @@ def _int_conv(
         if borders:
             wsum = conv(mask, wq)  # [1, out spatial..., O]: sum of w over real positions
         else:
-            wsum = per_channel(qw.codes.astype(np.int32).sum(axis=w_axes))
+            wsum = per_channel(_xp(qw.codes).sum(qw.codes.astype(np.int32), axis=w_axes))
         acc = acc - per_sample(za_s) * wsum
     zw = qw.zero_point.reshape(-1) if qw.zero_point.size > 1 else qw.zero_point.reshape(())
-    if np.any(zw != 0):
+    if _nonzero(zw):
         zw_out = per_channel(zw)
         acc = acc - zw_out * conv(qa, ones_k)
         if zp_a:
@@ -463,13 +452,13 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     instead, so the weight's only per-call work is one fused unpack-and-convert; otherwise (a
     convolution's kernel is small) the weight is dequantized as simulated."""
     wi = site.weight_index
-    w_dtype = jnp.asarray(invals[wi]).dtype
+    w_dtype = shaped_aval(visit.eqn.invars[wi]).dtype
     new = list(invals)
     w = weight_codes(qw).astype(jnp.float32)
-    symmetric = not np.any(qw.zero_point != 0) and site.weights.granularity != "group"
+    symmetric = not _nonzero(qw.zero_point) and site.weights.granularity != "group"
     out_smaller = shaped_aval(visit.eqn.outvars[0]).size < qw.codes.size
     if not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
-        if np.any(qw.zero_point != 0):
+        if _nonzero(qw.zero_point):
             w = w - qw.zero_point.astype(np.float32)
         new[wi] = (w * qw.scale).astype(w_dtype)  # (q - zp) * s, as simulated
         return visit.bind(*new)
@@ -480,7 +469,10 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
         return y * scale.reshape(())
     if site.primitive == "dot_general":
         dn = visit.params["dimension_numbers"]
-        ranks = (jnp.ndim(invals[0]), jnp.ndim(invals[1]))
+        ranks = (
+            len(shaped_aval(visit.eqn.invars[0]).shape),
+            len(shaped_aval(visit.eqn.invars[1]).shape),
+        )
         return y * _dot_to_out(scale, wi, dn, ranks)
     shape = [1] * y.ndim
     shape[visit.params["dimension_numbers"].out_spec[1]] = -1
@@ -512,6 +504,14 @@ def realize_handler(state: QState) -> SiteHandler:
                     f"realize: requantize='fixed_point' needs the output scale of {site.name!r}; "
                     "calibrate the program annotated with this config first"
                 )
+            if not _host(scale):
+                raise QuantizeError(
+                    f"realize: requantize='fixed_point' computes each layer's integer multipliers "
+                    f"on the host from its weight scales, but the weight of {site.name!r} is a "
+                    "param (an input). Quantize with the weights closed over "
+                    "(jaxq.quantize(functools.partial(f, params), ...)), or use "
+                    "requantize='float'."
+                )
             off = storage_offset(scheme)
             qmin, qmax = scheme.qrange
             mult = np.asarray(scale, np.float64) / np.float64(out.scale)
@@ -540,9 +540,10 @@ def realize_program(program: Program, config: QConfig | None = None) -> Program:
             "realize: weight_calibration='gptq' chooses weight codes from calibration data; run "
             "jaxq.quantize.calibrate(data) before realize"
         )
-    state = state.replace(mode="realize")
-    out, engine = lower(state, realize_handler(state), integer_chains=True)
-    state = state.replace(weights=engine.weights)
+    state = state.replace(mode="realize", source=float_source(program, state, "realize"))
+    out, engine = lower(state, realize_handler(state), mode="realize", integer_chains=True)
+    check_sites(state, engine, "realize")
+    state = state.replace(weights=engine.weights, output=out.jaxpr)
     return with_state(out, state)
 
 

@@ -26,8 +26,14 @@ def smoothing_factors(
         .reshape(w.shape[k_axis], -1)
         .max(1)
     )
+    return factors(act_absmax, w_absmax, alpha)
+
+
+def factors(act_absmax: np.ndarray, w_absmax: np.ndarray, alpha: float) -> np.ndarray:
+    """``s = max|X|^alpha / max|W|^(1 - alpha)`` per input channel, from both ranges."""
     a = np.asarray(act_absmax, np.float64)
-    live = (a > 0) & (w_absmax > 0)
+    wa = np.asarray(w_absmax, np.float64)
+    live = (a > 0) & (wa > 0)
     s = np.ones_like(a)
-    s[live] = a[live] ** alpha / w_absmax[live] ** (1.0 - alpha)
+    s[live] = a[live] ** alpha / wa[live] ** (1.0 - alpha)
     return np.clip(s, 1.0 / LIMIT, LIMIT).astype(np.float32)

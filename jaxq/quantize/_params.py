@@ -1,0 +1,209 @@
+"""Weights as parameters: which param leaf feeds which layer, and the quantized-params pytree.
+
+``jaxq.quantize(f, params, ...)`` traces ``f(params, *args)`` with the params as inputs. While a
+phase re-traces the program, each param leaf enters as a :class:`WeightRef`: the value (a float
+array, or in realize a :class:`QView` of the ``QArray`` that replaced it) and the chain of
+layout-only equations (convert, transpose, copy) it went through. A quantizable equation that
+receives one is a site whose weight is that leaf; any other equation gets the float value
+(``to_float``). The leaf is quantized on the host, leaf by leaf, by :func:`quantize_leaf`, with the
+site's geometry mapped back through the chain, so the codes keep the user's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxq.quantize._config import Scheme
+from jaxq.quantize._qarray import QArray, pack_int4, packed_shape
+
+CHAIN = ("convert_element_type", "transpose", "copy", "copy_p")
+"""Equations a weight may pass through between its param leaf and its layer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QView:
+    """A QArray seen inside a traced program: unpacked int8 codes, and scale / zero point with the
+    codes' rank (groups repeated out only where needed), in the orientation of the current use."""
+
+    codes: Any
+    scale: Any
+    zero_point: Any  # None when symmetric
+    dtype: Any
+    group_axis: int | None = None
+    group_size: int | None = None
+
+    @classmethod
+    def of(cls, qa: QArray) -> QView:
+        rank = lambda v: (
+            None if v is None else jnp.reshape(v, np.shape(v) + (1,) * (qa.ndim - np.ndim(v)))
+        )
+        scale = rank(qa.scale) if np.ndim(qa.scale) else jnp.reshape(qa.scale, (1,) * qa.ndim)
+        zp = qa.zero_point
+        zp = None if zp is None else (rank(zp) if np.ndim(zp) else jnp.reshape(zp, (1,) * qa.ndim))
+        return cls(qa.int_codes(), scale, zp, qa.dtype, qa.group_axis, qa.group_size)
+
+    def full(self, v: Any) -> Any:
+        if v is None or self.group_size is None:
+            return v
+        return jnp.repeat(v, self.group_size, axis=self.group_axis)
+
+    def dequantize(self) -> jax.Array:
+        q = self.codes.astype(jnp.float32)
+        if self.zero_point is not None:
+            q = q - self.full(self.zero_point).astype(jnp.float32)
+        return (q * self.full(self.scale)).astype(self.dtype)
+
+    def apply(self, primitive: str, params: Mapping[str, Any]) -> QView:
+        if primitive == "transpose":
+            perm = tuple(params["permutation"])
+            t = lambda v: None if v is None else jnp.transpose(v, perm)
+            ga = None if self.group_axis is None else perm.index(self.group_axis)
+            return dataclasses.replace(
+                self,
+                codes=t(self.codes),
+                scale=t(self.scale),
+                zero_point=t(self.zero_point),
+                group_axis=ga,
+            )
+        if primitive == "convert_element_type":
+            return dataclasses.replace(self, dtype=np.dtype(params["new_dtype"]))
+        return self  # copy
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRef:
+    """A param leaf (index ``leaf``) after the layout-only equations in ``chain``."""
+
+    leaf: int
+    value: Any  # a float array, or a QView
+    chain: tuple[tuple[str, Any], ...] = ()
+
+    def then(self, primitive: str, params: Mapping[str, Any], value: Any) -> WeightRef:
+        key = tuple(params["permutation"]) if primitive == "transpose" else None
+        if primitive == "convert_element_type":
+            key = np.dtype(params["new_dtype"]).name
+        return WeightRef(self.leaf, value, (*self.chain, (primitive, key)))
+
+
+def to_float(v: Any) -> Any:
+    """The float value of a weight reference (anything else unchanged)."""
+    if isinstance(v, WeightRef):
+        return v.value.dequantize() if isinstance(v.value, QView) else v.value
+    return v
+
+
+def leaf_axis(chain: Sequence[tuple[str, Any]], axis: int) -> int:
+    """The leaf's axis that becomes ``axis`` after ``chain``."""
+    for prim, key in reversed(chain):
+        if prim == "transpose":
+            axis = key[axis]
+    return axis
+
+
+def to_site(w: np.ndarray, chain: Sequence[tuple[str, Any]]) -> np.ndarray:
+    """A leaf's host value in the orientation (and dtype) its layer sees."""
+    for prim, key in chain:
+        if prim == "transpose":
+            w = np.transpose(w, key)
+        elif prim == "convert_element_type":
+            w = np.asarray(w).astype(key)
+    return w
+
+
+def to_leaf(v: np.ndarray, chain: Sequence[tuple[str, Any]]) -> np.ndarray:
+    """Inverse of :func:`to_site` for the layout (a site-oriented array back to the leaf's)."""
+    for prim, key in reversed(chain):
+        if prim == "transpose":
+            v = np.transpose(v, np.argsort(key))
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one param leaf is quantized: for the layer ``site``, through ``chain``."""
+
+    leaf: int
+    path: str
+    site: str
+    chain: tuple[tuple[str, Any], ...]
+    scheme: Scheme
+    channel_axis: int  # in the leaf's orientation
+    group_axis: int | None  # in the leaf's orientation (granularity="group")
+    shape: tuple[int, ...]
+    dtype: str
+
+    def scale_shape(self) -> tuple[int, ...]:
+        s = self.scheme
+        if s.granularity == "tensor":
+            return ()
+        shape = [1] * len(self.shape)
+        shape[self.channel_axis] = self.shape[self.channel_axis]
+        if self.group_axis is not None:
+            assert s.group_size is not None  # granularity="group" requires it
+            shape[self.group_axis] = self.shape[self.group_axis] // s.group_size
+        return tuple(shape)
+
+    def spec(self) -> QArray:
+        """The QArray's abstract value (``jax.ShapeDtypeStruct`` leaves), for tracing."""
+        s = self.scheme
+        codes = packed_shape(self.shape) if s.bits <= 4 else self.shape
+        sds = jax.ShapeDtypeStruct
+        return QArray(
+            sds(codes, np.int8),
+            sds(self.scale_shape(), np.float32),
+            None if s.symmetric else sds(self.scale_shape(), np.int32),
+            shape=self.shape,
+            dtype=self.dtype,
+            bits=s.bits,
+            group_axis=self.group_axis,
+            group_size=s.group_size,
+        )
+
+
+def to_qarray(
+    plan: LeafPlan,
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zp: np.ndarray,
+    group_scale: Any,
+    group_zp: Any,
+    channel_axis: int,
+) -> QArray:
+    """A site-oriented quantized weight (``QWeight`` fields) as a QArray in the leaf's layout."""
+    s = plan.scheme
+    codes = to_leaf(np.asarray(codes, np.int8), plan.chain)
+    if group_scale is not None:  # [N, G] -> site layout (channel axis N, contracted axis G)
+        gs, gz = np.asarray(group_scale, np.float32), np.asarray(group_zp, np.int32)
+        if channel_axis == 1:
+            gs, gz = gs.T, gz.T
+        scale, zp = to_leaf(gs, plan.chain), to_leaf(gz, plan.chain)
+    else:
+        scale = to_leaf(np.asarray(scale, np.float32), plan.chain).reshape(plan.scale_shape())
+        zp = to_leaf(np.asarray(zp, np.int32), plan.chain).reshape(plan.scale_shape())
+    return QArray(
+        pack_int4(codes) if s.bits <= 4 else codes,
+        jnp.asarray(scale),
+        None if s.symmetric else jnp.asarray(zp),
+        shape=plan.shape,
+        dtype=plan.dtype,
+        bits=s.bits,
+        group_axis=plan.group_axis,
+        group_size=s.group_size,
+    )
+
+
+def chain_value(value: Any, primitive: str, params: Mapping[str, Any], bind: Any) -> Any:
+    """Apply one chain equation to a weight value (float: re-bind it; QView: its own rule)."""
+    if isinstance(value, QView):
+        return value.apply(primitive, params)
+    return bind(value)
+
+
+def float_leaf(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)

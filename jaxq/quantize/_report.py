@@ -1,0 +1,232 @@
+"""The quantization report: what was quantized, how, and how much error each layer adds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxq._program import Program
+from jaxq.quantize._annotate import unmatched_rules
+from jaxq.quantize._lower import get_state
+from jaxq.quantize._qarray import QArray, is_qarray
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """One row of :class:`Report`. Later columns (e.g. SQNR) go after ``status``."""
+
+    name: str
+    primitive: str
+    status: str  # "quantized", or why the layer stays float
+    weights: str | None = None
+    activations: str | None = None
+    weight_scale: tuple[float, float] | None = None  # (min, max) over channels / groups
+    activation_scale: float | None = None
+    activation_zero_point: int | None = None
+    rule: int | None = None
+    sqnr_db: float | None = None  # of the layer's output against float, on a sample batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What was quantized, and how. ``str(report)`` is a table; ``report.to_dict()`` the data."""
+
+    mode: str
+    layers: tuple[LayerReport, ...]
+    unmatched_rules: tuple[str, ...]
+    calibration: dict[str, Any]
+    param_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "layers": [dataclasses.asdict(r) for r in self.layers],
+            "unmatched_rules": list(self.unmatched_rules),
+            "calibration": dict(self.calibration),
+            "param_bytes": self.param_bytes,
+        }
+
+    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The report as JSON (infinite SQNR, for exact layers, is written as null)."""
+        data = self.to_dict()
+        for row in data["layers"]:
+            if row["sqnr_db"] is not None and not math.isfinite(row["sqnr_db"]):
+                row["sqnr_db"] = None
+        text = json.dumps(data, indent=2, default=str)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def save_plot(self, path: str | os.PathLike[str]) -> Path:
+        """A PNG bar chart of per-layer SQNR, worst first (needs matplotlib: ``jaxq[plot]``)."""
+        rows = [r for r in self.layers if r.sqnr_db is not None and math.isfinite(r.sqnr_db)]
+        values = [float(r.sqnr_db) for r in rows if r.sqnr_db is not None]
+        if not rows:
+            raise ValueError("save_plot: no SQNR in this report; call qf.report(sample=(x,))")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("save_plot needs matplotlib: pip install 'jaxq[plot]'") from e
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+        ax.barh(
+            [r.name for r in rows],
+            values,
+            color=["#c0392b" if v < 20 else "#2e86c1" for v in values],
+        )
+        ax.invert_yaxis()
+        ax.set_xlabel("SQNR of the layer output vs float (dB, higher is better)")
+        ax.set_title(f"jaxq.quantize per-layer SQNR ({self.mode})")
+        ax.tick_params(axis="y", labelsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def __str__(self) -> str:
+        head = (
+            "layer",
+            "primitive",
+            "weights",
+            "activations",
+            "w scale",
+            "a scale",
+            "SQNR dB",
+            "status",
+        )
+        rows = []
+        for r in self.layers:
+            ws = (
+                ""
+                if r.weight_scale is None
+                else f"{r.weight_scale[0]:.3g}..{r.weight_scale[1]:.3g}"
+            )
+            a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
+            sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
+            rows.append(
+                (
+                    r.name,
+                    r.primitive,
+                    r.weights or "float",
+                    r.activations or "float",
+                    ws,
+                    a_s,
+                    sq,
+                    r.status,
+                )
+            )
+        widths = [
+            max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
+            for i, h in enumerate(head)
+        ]
+        fmt = "  ".join(f"{{:{w}}}" for w in widths)
+        lines = [f"jaxq.quantize report (mode={self.mode}, parameter bytes={self.param_bytes})"]
+        lines.append(fmt.format(*head))
+        lines.append(fmt.format(*("-" * w for w in widths)))
+        lines += [fmt.format(*row) for row in rows]
+        if self.calibration:
+            lines.append(f"calibration: {self.calibration}")
+        if self.unmatched_rules:
+            lines.append("rules that matched nothing:")
+            lines += [f"  {u}" for u in self.unmatched_rules]
+        return "\n".join(lines)
+
+
+def param_bytes(program: Program, params: Any = None) -> int:
+    """Bytes of the program's constants plus those of ``params`` (QArrays count what they store)."""
+    consts = sum(np.asarray(c).nbytes for c in program.jaxpr.consts if hasattr(c, "shape"))
+    leaves = jax.tree.leaves(params, is_leaf=is_qarray)
+    stored = sum(x.nbytes if isinstance(x, QArray) else np.asarray(x).nbytes for x in leaves)
+    return int(consts + stored)
+
+
+def sqnr_db(reference: Any, approx: Any) -> float:
+    """``10 log10(sum(ref^2) / sum((ref - approx)^2))`` in dB; infinite when they are equal."""
+    ref = np.asarray(reference, np.float64)
+    noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
+    if noise == 0.0:
+        return math.inf
+    return 10.0 * math.log10(max(float(np.sum(ref**2)), 1e-300) / noise)
+
+
+def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
+    measured = sorted(
+        (r for r in rows if r.sqnr_db is not None), key=lambda r: float(r.sqnr_db or 0)
+    )
+    return measured + [r for r in rows if r.sqnr_db is None]
+
+
+def make_report(
+    program: Program, sqnr: dict[str, float] | None = None, qparams: Any = None
+) -> Report:
+    """The report of a quantized program; ``qparams``: its quantized params (params style)."""
+    state = get_state(program, "report")
+    by_site: dict[str, Any] = {}
+    if qparams is not None and state.params is not None:
+        leaves = jax.tree.leaves(qparams, is_leaf=is_qarray)
+        by_site = {
+            plan.site: leaves[i]
+            for i, plan in state.leaves.items()
+            if isinstance(leaves[i], QArray)
+        }
+    rows = []
+    for e in state.source.equations():
+        site = state.sites.get(e.name)
+        if site is None:
+            if e.name in state.skipped:
+                rows.append(LayerReport(e.name, e.primitive, state.skipped[e.name]))
+            continue
+        qw = state.weights.get(e.name)
+        wscale = None
+        if qw is not None:
+            src = qw.group_scale if qw.group_scale is not None else qw.scale
+            wscale = (float(np.min(src)), float(np.max(src)))
+        elif e.name in by_site:
+            src = np.asarray(by_site[e.name].scale)
+            wscale = (float(np.min(src)), float(np.max(src)))
+        acts = None
+        a_scale = a_zp = None
+        status = "quantized"
+        if site.activations is not None:
+            params = state.act.get(e.name)
+            if params is not None:
+                kind = "static"
+                a_scale, a_zp = params.scale, params.zero_point
+            elif state.config.dynamic:
+                kind = "dynamic"
+            else:
+                kind = "dynamic (inside a loop)" if site.in_loop else "dynamic (not calibrated)"
+            acts = f"{site.activations.short()} {kind}"
+        rows.append(
+            LayerReport(
+                e.name,
+                e.primitive,
+                status,
+                site.weights.short()
+                + (f" {qw.method}" if qw and qw.method != "minmax" else "")
+                + (" smoothed" if e.name in state.act_absmax else ""),
+                acts,
+                wscale,
+                a_scale,
+                a_zp,
+                site.rule,
+                None if sqnr is None else sqnr.get(e.name),
+            )
+        )
+    return Report(
+        mode=state.mode,
+        layers=tuple(rows if sqnr is None else _worst_first(rows)),
+        unmatched_rules=tuple(unmatched_rules(state.config, state.matched_rules)),
+        calibration=dict(state.calibration),
+        param_bytes=param_bytes(program, qparams),
+    )

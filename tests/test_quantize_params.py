@@ -1,0 +1,363 @@
+"""Weights as params: the quantized-params pytree, QAT on weights, and the phases as passes."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import jaxq
+from jaxq import quantize as Q
+from jaxq.annotate import simulated_quantize
+from jaxq.quantize import QArray, QConfig, QuantizeError, Rule, Scheme
+from jaxq.quantize._lower import get_state
+from jaxq.transform import PassContext, PassTiming, Sequential, program_pass, rewrite
+
+RNG = np.random.default_rng(0)
+
+
+def model(params, x):
+    """A small MLP in the Flax style: a dict of layers, kernels [in, out]; the second layer is
+    written torch-style (``x @ w.T``) and the third runs its kernel in bfloat16 -> float32."""
+    with jax.named_scope("Dense_0"):
+        x = jax.nn.relu(x @ params["dense"][0]["kernel"] + params["dense"][0]["bias"])
+    with jax.named_scope("Dense_1"):
+        x = jax.nn.relu(x @ params["dense"][1]["weight"].T)
+    with jax.named_scope("Dense_2"):
+        x = x @ params["head"]["kernel"].astype(jnp.float32)
+    return x * params["scale"]
+
+
+def make_params(rng, k=12, h=16, n=5):
+    return {
+        "dense": [
+            {
+                "kernel": (rng.normal(size=(k, h)) * 0.4).astype(np.float32),
+                "bias": (rng.normal(size=(h,)) * 0.1).astype(np.float32),
+            },
+            {"weight": (rng.normal(size=(h, h)) * 0.3).astype(np.float32)},  # [out, in]
+        ],
+        "head": {"kernel": jnp.asarray(rng.normal(size=(h, n)) * 0.3, jnp.bfloat16)},
+        "scale": np.float32(1.5),
+        "unused": None,
+    }
+
+
+P = make_params(RNG)
+X = (RNG.normal(size=(6, 12))).astype(np.float32)
+BATCHES = [(RNG.normal(size=(6, 12)).astype(np.float32),) for _ in range(3)]
+
+
+@functools.cache
+def realized():
+    return Q(model, P, calibration=BATCHES, progress=False)
+
+
+@functools.cache
+def simulated():
+    return Q(model, P, calibration=BATCHES, mode="simulate", progress=False)
+
+
+def closure_style(params, config=None, mode="realize"):
+    return Q(
+        functools.partial(model, params),
+        calibration=BATCHES,
+        config=config,
+        mode=mode,
+        progress=False,
+    )
+
+
+# ---- the quantized params pytree ---------------------------------------------------------------
+
+
+def test_params_are_a_pytree_of_qarrays_shaped_like_the_float_params():
+    qf = realized()
+    qp = qf.params
+    assert jax.tree.structure(qp, is_leaf=lambda x: isinstance(x, QArray)) == jax.tree.structure(P)
+    kernels = [qp["dense"][0]["kernel"], qp["dense"][1]["weight"], qp["head"]["kernel"]]
+    assert all(isinstance(q, QArray) for q in kernels)
+    assert kernels[1].shape == (16, 16) and np.shape(kernels[1].scale) == (16, 1)  # out channels
+    assert kernels[0].codes.dtype == np.int8 and np.shape(kernels[0].scale) == (1, 16)
+    assert kernels[2].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(qp["dense"][0]["bias"], P["dense"][0]["bias"])  # as given
+    assert qp["unused"] is None
+    # an ordinary pytree: tree.map, device_put, flatten with readable paths
+    moved = jax.device_put(qp)
+    assert isinstance(moved["head"]["kernel"], QArray)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(qp)[0]]
+    assert "['dense'][0]['kernel'].codes" in paths and "['head']['kernel'].scale" in paths
+    doubled = jax.tree.map(lambda a: a, qp)
+    np.testing.assert_array_equal(doubled["dense"][0]["kernel"].codes, kernels[0].codes)
+
+
+def test_realized_params_equal_closure_style_bit_for_bit():
+    qf = realized()
+    y = np.asarray(jax.jit(qf.apply)(qf.params, X))
+    np.testing.assert_array_equal(y, np.asarray(closure_style(P)(X)))
+    np.testing.assert_array_equal(np.asarray(qf(X)), y)
+    ref = np.asarray(model(P, X))
+    assert np.abs(y - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_weights_are_arguments_not_constants():
+    qf = realized()
+    jaxpr = jax.make_jaxpr(qf.apply)(qf.params, X)
+    assert all(np.size(c) <= 64 for c in jaxpr.consts)  # scales only, never a weight
+    int8_inputs = [v for v in jaxpr.jaxpr.invars if v.aval.dtype == jnp.int8]
+    assert len(int8_inputs) == 3
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(e.params["preferred_element_type"] == jnp.int32 for e in dots)
+
+
+def test_quantize_params_reuses_scales_and_new_shapes_reuse_everything():
+    qf = realized()
+    p2 = make_params(np.random.default_rng(7))
+    before = copy.deepcopy(jax.tree.map(np.asarray, p2))
+    qp2 = qf.quantize_params(p2)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, p2), before)  # not mutated
+    assert not np.array_equal(qp2["head"]["kernel"].codes, qf.params["head"]["kernel"].codes)
+    # the same float params give the same quantized params (deterministic, no re-calibration)
+    again = qf.quantize_params(P)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(qf.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    y2 = np.asarray(qf.apply(qp2, X))
+    assert np.abs(y2 - np.asarray(model(p2, X))).max() < 0.1 * np.abs(y2).max()
+    x3 = RNG.normal(size=(3, 12)).astype(np.float32)  # another batch size
+    np.testing.assert_array_equal(
+        np.asarray(qf.apply(qf.params, x3)), np.asarray(closure_style(P)(x3))
+    )
+    assert np.asarray(jax.vmap(lambda x: qf.apply(qf.params, x[None])[0])(X)).shape == (6, 5)
+
+
+def test_inputs_are_never_mutated():
+    params = make_params(np.random.default_rng(3))
+    before = copy.deepcopy(jax.tree.map(np.asarray, params))
+    batches = [(b[0].copy(),) for b in BATCHES]
+    qf = Q(model, params, calibration=batches, progress=False)
+    qf.quantize_params(params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), before)
+    for (b,), (orig,) in zip(batches, BATCHES, strict=True):
+        np.testing.assert_array_equal(b, orig)
+
+
+# ---- QAT ---------------------------------------------------------------------------------------
+
+
+def test_simulate_mode_fake_quantizes_the_params_it_is_given():
+    qs = simulated()
+    assert qs.params is not None and not isinstance(qs.params["head"]["kernel"], QArray)
+    y0 = np.asarray(qs.apply(P, X))
+    p2 = jax.tree.map(lambda a: a * 1.1 if hasattr(a, "shape") and a.ndim == 2 else a, P)
+    y1 = np.asarray(qs.apply(p2, X))
+    assert not np.array_equal(y0, y1)  # the weights given are used, not the calibrated ones
+    # realize of the simulate function matches the realized one exactly
+    np.testing.assert_array_equal(np.asarray(qs.realize()(X)), np.asarray(realized()(X)))
+
+
+def test_qat_gradient_reaches_every_param_and_equals_the_ste_reference():
+    qs = Q(
+        lambda p, x: x @ p["w"] + p["b"],
+        {"w": P["dense"][0]["kernel"], "b": P["dense"][0]["bias"]},
+        calibration=BATCHES,
+        mode="simulate",
+        progress=False,
+    )
+    params = {"w": P["dense"][0]["kernel"], "b": P["dense"][0]["bias"]}
+    g = jax.grad(lambda p: jnp.sum(qs.apply(p, X) ** 2))(params)
+    # reference: fake-quantize x with the calibrated scale, w per channel with minmax scales;
+    # straight-through: d/dw of (xq @ wq) is xq^T @ dy, as if wq were w
+    state = get_state(qs.program, "t")
+    a = state.act["dot_general"]
+    xq = np.asarray(simulated_quantize(X, a.scale, a.zero_point, bits=8))
+    w = params["w"]
+    ws = np.abs(w).max(0) / 127
+    wq = np.asarray(simulated_quantize(w, ws, np.zeros_like(ws), bits=8, axis=1, narrow_range=True))
+    dy = 2 * (xq @ wq + params["b"])
+    np.testing.assert_allclose(np.asarray(g["w"]), xq.T @ dy, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(g["b"]), dy.sum(0), rtol=2e-5, atol=2e-5)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_params_get_errors_that_name_the_path():
+    qf, qs = realized(), simulated()
+    with pytest.raises(QuantizeError, match=r"params\['dense'\]\[0\]\['kernel'\] is a float array"):
+        qf.apply(P, X)
+    with pytest.raises(QuantizeError, match=r"params\['head'\]\['kernel'\] is a QArray.*realize"):
+        qs.apply({**P, "head": qf.params["head"]}, X)
+    with pytest.raises(QuantizeError, match="structure"):
+        qf.quantize_params({k: v for k, v in P.items() if k != "head"})
+    bad = copy.deepcopy(P)
+    bad["dense"][1]["weight"] = np.zeros((16, 8), np.float32)
+    with pytest.raises(
+        QuantizeError, match=r"params\['dense'\]\[1\]\['weight'\]: expected float32\[16,16\]"
+    ):
+        qf.quantize_params(bad)
+    with pytest.raises(QuantizeError, match="QArrays already"):
+        Q(model, qf.params, calibration=BATCHES, progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        Q(model, P, calibration=BATCHES, weight_argnums=0, progress=False)
+    with pytest.raises(TypeError, match="closed over"):
+        closure_style(P).apply(P, X)
+
+
+# ---- the phases are passes ---------------------------------------------------------------------
+
+
+def mlp(x):
+    with jax.named_scope("Dense_0"):
+        x = jax.nn.relu(x @ P["dense"][0]["kernel"])
+    with jax.named_scope("Dense_1"):
+        return x @ P["dense"][1]["weight"]
+
+
+def test_a_user_pass_between_phases_is_kept():
+    """``Sequential([annotate, my_pass, calibrate, realize])``: my_pass's change reaches the
+    result (realize used to lower the float program kept by annotate, dropping it)."""
+
+    @program_pass(name="tanh_after_relu")
+    def my_pass(program):
+        return rewrite(program, {"max": lambda visit, *xs: jnp.tanh(visit.bind(*xs))})
+
+    cfg = QConfig()
+    pipeline = Sequential(
+        [Q.annotate(cfg), my_pass, Q.calibrate([(X,)], progress=False), Q.realize()]
+    )
+    out = pipeline(jaxq.trace(mlp, X))
+    assert any(e.primitive == "tanh" for e in out.equations())
+    plain = Sequential([Q.annotate(cfg), Q.calibrate([(X,)], progress=False), Q.realize()])
+    assert not any(e.primitive == "tanh" for e in plain(jaxq.trace(mlp, X)).equations())
+    ref = jax.nn.relu(X @ P["dense"][0]["kernel"])
+    want = np.tanh(ref) @ P["dense"][1]["weight"]
+    got = np.asarray(out(X))
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    assert get_state(out, "t").mode == "realize"
+
+
+def test_a_pass_that_removes_a_layer_is_named():
+    @program_pass(name="drop_dense_1")
+    def drop(program):
+        return rewrite(
+            program,
+            {"dot_general": lambda v, a, b: v.bind(a, b) if a.shape[1] == 12 else a[:, :16]},
+        )
+
+    annotated = Q.annotate(QConfig())(jaxq.trace(mlp, X))
+    with pytest.raises(QuantizeError, match="Dense_1/dot_general"):
+        Q.calibrate([(X,)], progress=False)(drop(annotated))
+
+
+def test_instruments_see_the_phases_and_realize_can_be_disabled():
+    timing = PassTiming()
+    with PassContext(instruments=[timing]):
+        Q(model, P, calibration=BATCHES, progress=False)
+    names = [n for n, _ in timing.records if n.startswith("quantize")]
+    assert names == ["quantize.annotate", "quantize.calibrate", "quantize.realize"]
+    with PassContext(disabled=["quantize.realize"]):
+        qf = Q(model, P, calibration=BATCHES, progress=False)
+    assert qf.mode == "simulate" and not isinstance(qf.params["head"]["kernel"], QArray)
+    np.testing.assert_array_equal(np.asarray(qf(X)), np.asarray(simulated()(X)))
+
+
+def test_pass_level_pipeline_with_params():
+    prog = jaxq.trace(model, P, X)
+    data = [(P, b[0]) for b in BATCHES]
+    out = Sequential(
+        [Q.annotate(QConfig(), params_argnum=0), Q.calibrate(data, progress=False), Q.realize()]
+    )(prog)
+    qf = realized()
+    np.testing.assert_array_equal(np.asarray(out(qf.params, X)), np.asarray(qf(X)))
+
+
+# ---- random param pytrees ------------------------------------------------------------------------
+
+
+@st.composite
+def param_models(draw):
+    """A chain of dense layers whose params sit at random places of a nested pytree (dicts,
+    lists, None leaves), some stored [out, in] (used transposed), some with a bias."""
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    n_layers = draw(st.integers(1, 3))
+    sizes = [draw(st.integers(2, 9)) for _ in range(n_layers + 1)]
+    layers, uses = [], []
+    for i in range(n_layers):
+        k, n = sizes[i], sizes[i + 1]
+        transposed = draw(st.booleans())
+        w = (rng.normal(size=(n, k) if transposed else (k, n)) * 0.5).astype(np.float32)
+        layer = {"w": w, "extra": None} if draw(st.booleans()) else [w]
+        if draw(st.booleans()):
+            b = (rng.normal(size=(n,)) * 0.1).astype(np.float32)
+            layer = {"w": w, "b": b} if isinstance(layer, dict) else [w, b]
+        layers.append(layer)
+        uses.append(transposed)
+    params = {"blocks": layers} if draw(st.booleans()) else [None, layers]
+
+    def get(p):
+        return p["blocks"] if isinstance(p, dict) else p[1]
+
+    def f(p, x):
+        for i, (layer, transposed) in enumerate(zip(get(p), uses, strict=True)):
+            w = layer["w"] if isinstance(layer, dict) else layer[0]
+            b = (
+                layer.get("b")
+                if isinstance(layer, dict)
+                else (layer[1] if len(layer) > 1 else None)
+            )
+            with jax.named_scope(f"L{i}"):
+                x = x @ (w.T if transposed else w)
+                x = x + b if b is not None else x
+                x = jnp.tanh(x) if i < len(uses) - 1 else x
+        return x
+
+    x = rng.normal(size=(draw(st.integers(1, 4)), sizes[0])).astype(np.float32)
+    return f, params, x
+
+
+@settings(max_examples=12, deadline=None)
+@given(param_models(), st.sampled_from(["static", "dynamic", "weights"]))
+def test_random_param_pytrees_realize_like_the_closure_style(case, acts):
+    f, params, x = case
+    config = {
+        "static": QConfig(),
+        "dynamic": QConfig(dynamic=True),
+        "weights": QConfig(weights=Scheme(bits=4, granularity="channel"), activations=None),
+    }[acts]
+    calib = [(x,), (x * 0.5,)]
+    before = jax.tree.map(np.copy, params)
+    qf = Q(f, params, calibration=calib, config=config, progress=False)
+    closure = Q(functools.partial(f, params), calibration=calib, config=config, progress=False)
+    # Integer code is bit-exact (jitted against jitted: XLA fuses the rescale and the bias add
+    # into one multiply-add). Weight-only layers run a float dot on the codes, whose summation
+    # order XLA may choose differently for a constant (folded transpose) and an input weight.
+    same = (
+        np.testing.assert_array_equal
+        if acts != "weights"
+        else functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7)
+    )
+    same(np.asarray(jax.jit(qf.apply)(qf.params, x)), np.asarray(jax.jit(closure)(x)))
+    same(np.asarray(qf.apply(qf.quantize_params(params), x)), np.asarray(closure(x)))
+    jax.tree.map(np.testing.assert_array_equal, params, before)
+
+
+def test_rules_and_group_schemes_on_params():
+    cfg = QConfig(
+        weights=Scheme(bits=4, granularity="group", group_size=4, symmetric=False),
+        activations=None,
+        rules=(Rule(pattern="Dense_2", skip=True),),
+    )
+    qf = Q(model, P, config=cfg, example_args=(X,), progress=False)
+    assert not isinstance(qf.params["head"]["kernel"], QArray)
+    k0 = qf.params["dense"][0]["kernel"]
+    assert k0.bits == 4 and k0.codes.shape == (6, 16) and np.shape(k0.scale) == (3, 16)
+    closure = Q(functools.partial(model, P), config=cfg, example_args=(X,), progress=False)
+    np.testing.assert_array_equal(np.asarray(qf(X)), np.asarray(closure(X)))
+    assert qf.report().param_bytes < closure.report().param_bytes + 16 * 12 * 4
