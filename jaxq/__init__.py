@@ -20,5 +20,6 @@ from jaxq.quantize import QuantizedFunction as QuantizedFunction
 from jaxq.quantize import Rule as Rule
 from jaxq.quantize import Scheme as Scheme
 from jaxq.quantize import quantize as quantize  # a function, and the namespace of its passes
+from jaxq.quantize._shard import param_shardings as param_shardings
 
 __version__ = "0.1.0"
