@@ -1,7 +1,8 @@
 """The main job: train a CNN on scikit-learn's digits, quantize it to int8 with jaxq, compare.
 
 1. trains a small CNN on the digits (shipped inside scikit-learn, no download) in seconds;
-2. quantizes it with ``jaxq.quantize`` (W8A8 static: int8 per-channel weights, int8 activations
+2. quantizes it with ``jaxq.quantize(apply, params, ...)`` (W8A8 static: int8 per-channel weights,
+   int8 activations
    calibrated on training images), which runs real int8 x int8 -> int32 XLA dots and convolutions;
 3. prints float vs int8 test accuracy, jitted CPU latency at batch 1 and 256, parameter bytes, and
    the per-layer report with each layer's SQNR, worst first;
@@ -63,13 +64,18 @@ def main(argv: list[str] | None = None) -> None:
 
     calibration = [(data.x_train[i : i + 128],) for i in range(0, 512, 128)]
     t0 = time.perf_counter()
-    qf = jaxq.quantize(f, calibration=calibration, config=jaxq.QConfig(), progress=False)
+    qf = jaxq.quantize(
+        apply, params, calibration=calibration, config=jaxq.QConfig(), progress=False
+    )
     print(
         f"quantized (annotate + calibrate on {len(calibration)} batches + realize) in "
         f"{time.perf_counter() - t0:.1f}s\n"
     )
 
-    f_jit, q_jit = jax.jit(f), jax.jit(qf)
+    # weights are arguments of both compiled functions (as a served model keeps them)
+    float_apply, int8_apply = jax.jit(apply), jax.jit(qf.apply)
+    f_jit = lambda x: float_apply(params, x)
+    q_jit = lambda x: int8_apply(qf.params, x)
     acc_f = digits.accuracy(f_jit, data.x_test, data.y_test)
     acc_q = digits.accuracy(q_jit, data.x_test, data.y_test)
     b1, b256 = data.x_test[:1], np.concatenate([data.x_test] * 2)[:256]
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     path = qf.save(out / f"digits_{args.model}_int8.jaxq")
     loaded = jaxq.load(path)
     b128 = data.x_test[:128]
-    same = np.array_equal(np.asarray(loaded(b128)), np.asarray(jax.jit(qf.program.as_fun())(b128)))
+    same = np.array_equal(np.asarray(loaded(b128)), np.asarray(jax.jit(qf)(b128)))
     float_file = jaxq.trace(f, b128).save(out / f"digits_{args.model}_float.jaxq")
     ratio = path.stat().st_size / float_file.stat().st_size
     print(

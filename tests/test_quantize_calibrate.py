@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import jaxq
 import jaxq.quantize as Q
 from jaxq.quantize import QConfig, Scheme
-from jaxq.quantize._lower import get_state
 from jaxq.quantize._observers import NBINS, Observer, batch_stats
+from jaxq.quantize._state import get_state
 
 RNG = np.random.default_rng(1)
 W = (RNG.normal(size=(8, 4)) * 0.5).astype(np.float32)

@@ -16,7 +16,7 @@ import jaxq
 from jaxq import quantize as Q
 from jaxq.annotate import simulated_quantize
 from jaxq.quantize import QArray, QConfig, QuantizeError, Rule, Scheme
-from jaxq.quantize._lower import get_state
+from jaxq.quantize._state import get_state
 from jaxq.transform import PassContext, PassTiming, Sequential, program_pass, rewrite
 
 RNG = np.random.default_rng(0)
@@ -112,8 +112,9 @@ def test_weights_are_arguments_not_constants():
     assert all(np.size(c) <= 64 for c in jaxpr.consts)  # scales only, never a weight
     int8_inputs = [v for v in jaxpr.jaxpr.invars if v.aval.dtype == jnp.int8]
     assert len(int8_inputs) == 3
-    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert dots and all(e.params["preferred_element_type"] == jnp.int32 for e in dots)
+    program = qf.specialize(X)
+    dots = [e for e in program.equations() if e.primitive == "dot_general"]
+    assert len(dots) == 3 and all(e.params["preferred_element_type"] == jnp.int32 for e in dots)
 
 
 def test_quantize_params_reuses_scales_and_new_shapes_reuse_everything():
@@ -207,6 +208,12 @@ def test_bad_params_get_errors_that_name_the_path():
         Q(model, P, calibration=BATCHES, weight_argnums=0, progress=False)
     with pytest.raises(TypeError, match="closed over"):
         closure_style(P).apply(P, X)
+    with pytest.raises(QuantizeError, match="no derivative"):
+        jax.grad(lambda x: qf.apply(qf.params, x).sum())(X)
+    with pytest.raises(QuantizeError, match="no derivative"):
+        jax.grad(lambda x: closure_style(P)(x).sum())(X)
+    with pytest.raises(QuantizeError, match="inside a JAX transformation"):
+        jax.grad(lambda p: Q(model, p, calibration=BATCHES, progress=False)(X).sum())(P)
 
 
 # ---- the phases are passes ---------------------------------------------------------------------
@@ -390,3 +397,26 @@ def test_param_shardings_split_qarrays_along_output_channels():
     )
     with pytest.raises(ValueError, match="mesh has no axis 'tensor'"):
         jaxq.param_shardings(qf.params, mesh, "tensor")
+
+
+@pytest.mark.parametrize("wsym", [True, False])
+@pytest.mark.parametrize("padding", ["SAME", ((2, 0), (1, 1))])
+def test_convolution_params_equal_closure_style(wsym, padding):
+    """Padded convolutions: with params the activation is padded with its zero point (the
+    closure style folds border sums from constant weights instead); the results agree exactly."""
+    k = (np.random.default_rng(5).normal(size=(3, 3, 3, 20)) * 0.3).astype(np.float32)
+    imgs = np.random.default_rng(6).normal(size=(2, 7, 7, 3)).astype(np.float32)
+
+    def cnn(p, x):
+        y = jax.lax.conv_general_dilated(
+            x, p["k"], (2, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jax.nn.relu(y)
+
+    cfg = QConfig(weights=Scheme(granularity="channel", symmetric=wsym, narrow_range=wsym))
+    qf = Q(cnn, {"k": k}, calibration=[(imgs,)], config=cfg, progress=False)
+    closure = Q(functools.partial(cnn, {"k": k}), calibration=[(imgs,)], config=cfg, progress=False)
+    np.testing.assert_array_equal(np.asarray(qf(imgs)), np.asarray(closure(imgs)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(qf.apply)(qf.params, imgs)), np.asarray(jax.jit(closure)(imgs))
+    )

@@ -8,8 +8,8 @@ from test_quantize_pipeline import reference_dense
 
 import jaxq.quantize as Q
 from jaxq.quantize import QConfig, Scheme
-from jaxq.quantize._lower import get_state
 from jaxq.quantize._smooth import smoothing_factors
+from jaxq.quantize._state import get_state
 
 RNG = np.random.default_rng(3)
 W = (RNG.normal(size=(16, 6)) * 0.3).astype(np.float32)

@@ -10,7 +10,7 @@ from test_quantize_pipeline import reference_dense
 import jaxq.quantize as Q
 from jaxq.quantize import QConfig, QuantizeError, Scheme
 from jaxq.quantize._gptq import gptq_codes
-from jaxq.quantize._lower import get_state
+from jaxq.quantize._state import get_state
 
 
 def correlated(rng, rows, k):

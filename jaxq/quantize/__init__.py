@@ -26,13 +26,13 @@ from jaxq.quantize._calibrate import calibrate as calibrate
 from jaxq.quantize._config import QConfig as QConfig
 from jaxq.quantize._config import Rule as Rule
 from jaxq.quantize._config import Scheme as Scheme
-from jaxq.quantize._lower import QuantizeError as QuantizeError
 from jaxq.quantize._qarray import QArray as QArray
 from jaxq.quantize._realize import realize as realize
 from jaxq.quantize._report import LayerReport as LayerReport
 from jaxq.quantize._report import Report as Report
 from jaxq.quantize._sensitivity import SensitivityResult as SensitivityResult
 from jaxq.quantize._sensitivity import sensitivity as sensitivity
+from jaxq.quantize._state import QuantizeError as QuantizeError
 
 NAMESPACE = {
     "annotate": annotate,

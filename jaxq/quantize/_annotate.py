@@ -14,16 +14,8 @@ from typing import Any
 from jaxq._program import Program
 from jaxq._walk import rewrite
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import (
-    META_KEY,
-    Engine,
-    QState,
-    QuantizeError,
-    lower,
-    param_spec,
-    simulate_handler,
-    with_state,
-)
+from jaxq.quantize._lower import Engine, lower, simulate_handler
+from jaxq.quantize._state import META_KEY, QState, QuantizeError, param_spec, with_state
 from jaxq.transform import Pass, infer_layouts, name_expressions, program_pass
 
 

@@ -9,27 +9,23 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxq import _compat as C
 from jaxq._program import Program, trace
 from jaxq._taps import intermediates
+from jaxq._walk import interpret
 from jaxq.quantize._annotate import annotate, prepare, with_params
+from jaxq.quantize._arith import quantize_weight
 from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import (
-    QState,
-    QuantizeError,
-    get_state,
-    lower,
-    param_spec,
-    quantize_weight,
-    simulate_handler,
-    with_state,
-)
-from jaxq.quantize._params import float_leaf, to_qarray, to_site
+from jaxq.quantize._lower import Engine, lower, simulate_handler, source_inputs
+from jaxq.quantize._params import float_leaf, to_float, to_qarray, to_site
 from jaxq.quantize._qarray import QArray, is_qarray
 from jaxq.quantize._realize import realize, realize_handler, realize_program
 from jaxq.quantize._report import Report, make_report, sqnr_db
+from jaxq.quantize._state import QState, QuantizeError, get_state, param_spec, with_state
 from jaxq.transform import Sequential
 
 MODES = ("realize", "simulate")
@@ -139,12 +135,18 @@ class QuantizedFunction:
                 "(no params); call it as qf(*args), or quantize with jaxq.quantize(f, params, ...)"
             )
         self._check_params(params, quantized=self.mode == "realize", who="apply")
-        return self.specialize(*args, **kwargs).as_fun()(params, *args, **kwargs)
+        return self._run(self.specialize(*args, **kwargs), (params, *args), kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._with_params:
             return self.apply(self.params, *args, **kwargs)
-        return self.specialize(*args, **kwargs).as_fun()(*args, **kwargs)
+        return self._run(self.specialize(*args, **kwargs), args, kwargs)
+
+    def _run(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fun = program.as_fun()
+        if self.mode == "simulate":
+            return fun(*args, **kwargs)
+        return _no_derivative(lambda *a: fun(*a, **kwargs))(*args)
 
     def _check_params(self, params: Any, *, quantized: bool, who: str) -> list[Any]:
         """The flat params (QArrays as leaves), after checking them against the traced ones; the
@@ -273,14 +275,56 @@ class QuantizedFunction:
         got = intermediates(sim, names, *sim_lead, *args, **kwargs)
         return {n: sqnr_db(ref[n], got[n]) for n in names}
 
+    def clipped(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The share of each statically quantized layer's activation values that fall outside
+        its calibrated range on these arguments (and are clipped): inputs unlike the
+        calibration data show up here first."""
+        spec = self._state.params
+        lead: tuple[Any, ...] = ()
+        if spec is None:
+            source = prepare(trace(self._fun, *args, **kwargs))
+        else:
+            if self._float_params is None:
+                raise QuantizeError("clipped: the float params are not known")
+            lead = (self._float_params,)
+            source = prepare(trace(self._fun, _specs(lead[0]), *_specs(args), **_specs(kwargs)))
+        state = self._state.replace(source=source)
+        if spec is not None:
+            state = state.replace(params=param_spec(source, 0))
+
+        def run(*flat: Any) -> dict[str, Any]:
+            stats: dict[str, Any] = {}
+
+            def handle(visit: Any, site: Any, qw: Any, invals: list[Any]) -> Any:
+                p = state.act.get(site.name)
+                if p is not None and site.activations is not None and not site.in_loop:
+                    a = jnp.asarray(invals[1 - site.weight_index], jnp.float32)
+                    qmin, qmax = site.activations.qrange
+                    q = jnp.round(a / np.float32(p.scale)) + np.float32(p.zero_point)
+                    stats[site.name] = jnp.mean(((q < qmin) | (q > qmax)).astype(jnp.float32))
+                return visit.bind(*invals)
+
+            inputs = list(flat)
+            if state.params is not None:
+                inputs = source_inputs(state, source.in_tree, flat, quantized=False)
+            engine = Engine(state, handle, mode="observe")
+            interpret(source, engine.rules(), *inputs, scope="quantize", coerce=to_float)
+            return stats
+
+        flat = source.flatten_args((*lead, *args), kwargs)
+        return {k: float(v) for k, v in jax.device_get(jax.jit(run)(*flat)).items()}
+
     def report(self, sample: tuple[Any, ...] | None = None) -> Report:
         """What was quantized and how; with ``sample`` (a tuple of arguments, params excluded)
-        also the SQNR of every quantized layer, rows sorted worst first."""
+        also the SQNR of every quantized layer and the share of its activations clipped, rows
+        sorted worst first."""
         params = self.params if self._with_params else None
         if sample is None:
             return make_report(self.program, qparams=params)
         sample = sample if isinstance(sample, tuple) else (sample,)
-        return make_report(self.program, self.layer_sqnr(*sample), qparams=params)
+        return make_report(
+            self.program, self.layer_sqnr(*sample), qparams=params, clipped=self.clipped(*sample)
+        )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Save the quantized program at its example shapes, with ``qf.params`` in it (int8
@@ -301,6 +345,22 @@ class QuantizedFunction:
     def __repr__(self) -> str:
         style = " params" if self._with_params else ""
         return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}{style}>"
+
+
+def _no_derivative(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun``, with derivatives that raise: integer code has none (every rounding and int8 cast
+    has a zero derivative, so ``jax.grad`` would silently return zeros)."""
+    wrapped = jax.custom_jvp(fun)
+
+    def jvp(primals: Any, tangents: Any) -> Any:
+        raise QuantizeError(
+            "jax.grad / jvp of a realized (integer) function: integer code has no derivative, "
+            "so the gradient would be silently zero. Differentiate the simulated function "
+            "instead: jaxq.quantize(f, params, ..., mode='simulate') (QAT), then qf.realize()."
+        )
+
+    wrapped.defjvp(jvp)
+    return wrapped
 
 
 def quantize_leaf(state: QState, plan: Any, value: Any) -> QArray:
@@ -344,6 +404,12 @@ def _bind_weights(
 
 def _check_params_tree(params: Any) -> None:
     leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    if any(C.is_tracer(x) for _, x in leaves):
+        raise QuantizeError(
+            "quantize: the params are traced values: jaxq.quantize was called inside a JAX "
+            "transformation (jit, grad, vmap). Quantize outside it, then transform the result: "
+            "jax.grad(lambda p: loss(qf.apply(p, x)))(params) with mode='simulate' for QAT."
+        )
     if any(isinstance(x, QArray) for x in jax.tree.leaves(params, is_leaf=is_qarray)):
         raise QuantizeError(
             "quantize: params hold QArrays already; pass the float params (QAT: "

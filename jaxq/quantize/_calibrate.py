@@ -6,6 +6,7 @@ import functools
 import itertools
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -17,26 +18,22 @@ from jax import lax
 from jaxq._program import Program
 from jaxq._walk import RewriteError, interpret
 from jaxq.quantize._annotate import check_sites, float_source
+from jaxq.quantize._arith import range_to_qparams
 from jaxq.quantize._config import CALIBRATIONS, QConfig
-from jaxq.quantize._lower import (
+from jaxq.quantize._lower import Engine, lower, raise_cause, simulate_handler, source_inputs
+from jaxq.quantize._observers import Observer, batch_stats
+from jaxq.quantize._params import to_float
+from jaxq.quantize._sites import gptq_input_axis
+from jaxq.quantize._smooth import factors
+from jaxq.quantize._state import (
     ActParams,
-    Engine,
     QState,
     QuantizeError,
     QWeight,
     Site,
     get_state,
-    gptq_input_axis,
-    lower,
-    raise_cause,
-    range_to_qparams,
-    simulate_handler,
-    source_inputs,
     with_state,
 )
-from jaxq.quantize._observers import Observer, batch_stats
-from jaxq.quantize._params import to_float
-from jaxq.quantize._smooth import factors
 from jaxq.transform import Pass, PassContext, program_pass
 
 
@@ -320,6 +317,15 @@ def calibrate_program(
         scheme = site.activations
         assert scheme is not None  # _observed_keys keeps only sites with activation schemes
         lo, hi = o.value_range(method, scheme, pct)
+        if float(o.min) == float(o.max):
+            warnings.warn(
+                f"calibrate: the {'output' if k.endswith(':out') else 'input'} of layer "
+                f"{k.removesuffix(':out')!r} was {float(o.min):g} everywhere in all {o.batches} "
+                "calibration batch(es), so its scale is a guess; calibrate with data like the "
+                "inputs it will see",
+                UserWarning,
+                stacklevel=2,
+            )
         scale, zp = range_to_qparams(lo, hi, scheme)
         act[k] = ActParams(float(scale), int(zp))
     info: dict[str, Any] = {

@@ -83,17 +83,28 @@ class QArray:
         self.dtype = np.dtype(dtype)
         self.bits = int(bits)
         self.group_axis, self.group_size = group_axis, group_size
+        # static metadata, computed once: flattening runs on every call of a jitted function
+        self._aux = (
+            self.shape,
+            self.dtype.name,
+            self.bits,
+            group_axis,
+            group_size,
+            zero_point is not None,
+        )
 
     # -- pytree -----------------------------------------------------------------------------------
-    def _aux(self) -> tuple[Any, ...]:
-        return (self.shape, self.dtype.name, self.bits, self.group_axis, self.group_size)
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        if self.zero_point is None:
+            return (self.codes, self.scale), self._aux
+        return (self.codes, self.scale, self.zero_point), self._aux
 
     def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
         key = jax.tree_util.GetAttrKey
         children = [(key("codes"), self.codes), (key("scale"), self.scale)]
         if self.zero_point is not None:
             children.append((key("zero_point"), self.zero_point))
-        return children, (*self._aux(), self.zero_point is not None)
+        return children, self._aux
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: list[Any]) -> QArray:

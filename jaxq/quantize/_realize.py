@@ -38,27 +38,24 @@ from jaxq._program import Program
 from jaxq._walk import Visit
 from jaxq.quantize import _fixed_point as F
 from jaxq.quantize._annotate import check_sites, float_source
+from jaxq.quantize._arith import act_qparams, codes, int8_codes, storage_offset
+from jaxq.quantize._chains import QTensor
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import (
-    QUANTIZABLE,
-    QState,
-    QTensor,
-    QuantizeError,
-    QWeight,
-    Site,
-    SiteHandler,
-    act_qparams,
-    codes,
-    get_state,
-    int8_codes,
-    lower,
-    shaped_aval,
-    storage_offset,
-    with_state,
-)
+from jaxq.quantize._lower import SiteHandler, lower
 from jaxq.quantize._qarray import pack_axis as pack_axis
 from jaxq.quantize._qarray import pack_int4 as pack_int4
 from jaxq.quantize._qarray import unpack_int4 as unpack_int4
+from jaxq.quantize._sites import dot_to_out, nonfinite_rows
+from jaxq.quantize._state import (
+    QUANTIZABLE,
+    QState,
+    QuantizeError,
+    QWeight,
+    Site,
+    get_state,
+    shaped_aval,
+    with_state,
+)
 from jaxq.transform import Pass, program_pass
 
 # ---- weight storage -----------------------------------------------------------------------------
@@ -96,28 +93,6 @@ def _xp(*vs: Any) -> Any:
     return np if _host(*vs) else jnp
 
 
-def _dot_to_out(v: Any, operand: int, dn: Any, ranks: tuple[int, int]) -> Any:
-    """An array over one operand's axes (contracted axes of size 1) -> broadcastable to the
-    dot_general output (batch dims in dimension-number order, lhs free, rhs free)."""
-    if np.ndim(v) == 0:
-        return v
-    xp = _xp(v)
-    (lc, rc), (lb, rb) = dn
-    contract, batch = (lc, rc)[operand], (lb, rb)[operand]
-    free = [d for d in range(ranks[operand]) if d not in contract and d not in batch]
-    other_free = [
-        d
-        for d in range(ranks[1 - operand])
-        if d not in (lc, rc)[1 - operand] and d not in (lb, rb)[1 - operand]
-    ]
-    v = xp.transpose(v, [*batch, *free, *contract])
-    v = v.reshape(v.shape[: len(batch) + len(free)])
-    ones = (1,) * len(other_free)
-    nb, nf = len(batch), len(free)
-    shape = v.shape[:nb] + (ones + v.shape[nb:] if operand == 1 else v.shape[nb : nb + nf] + ones)
-    return v.reshape(shape)
-
-
 def _static_act(state: QState, site: Site, who: str) -> Any:
     params = state.act.get(site.name)
     if params is None and not state.config.dynamic and not site.in_loop:
@@ -152,11 +127,16 @@ def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
         raw = np.abs(c).sum(axis=axes).max() * amax_raw
         centered = np.abs(c - qw.zero_point).sum(axis=axes).max() * amax_centered
         zero_point_terms = int(np.abs(qw.zero_point).max()) * k * amax_raw  # zw sum(a), K za zw
-    else:  # a param's codes are not known here: the bound of any codes of these bits
-        wmax = 2**site.weights.bits
-        raw = k * wmax // 2 * amax_raw
-        centered = k * wmax * amax_centered
-        zero_point_terms = k * wmax * amax_raw
+    else:  # a param's codes are not known here: the bound of any codes of this scheme
+        ws = site.weights
+        half = 2 ** (ws.bits - 1)
+        raw = k * half * amax_raw
+        if _host(qw.zero_point) and not _nonzero(qw.zero_point):  # symmetric: |code| <= half
+            centered = k * (half - int(ws.narrow_range)) * amax_centered
+            zero_point_terms = 0
+        else:
+            centered = k * (2 * half - 1) * amax_centered
+            zero_point_terms = k * 2 * half * amax_raw
     bound = max(int(raw), int(centered), zero_point_terms)
     if bound >= 2**31:
         raise QuantizeError(
@@ -241,8 +221,8 @@ def _dot_finish(
     w_contract = (lc, rc)[wi]
     zp_a = not (scheme.symmetric and scheme.signed) and not centered
     zp_w = _nonzero(qw.zero_point)
-    to_out_a = lambda v: _dot_to_out(v, ai, dn, ranks)
-    to_out_w = lambda v: _dot_to_out(v, wi, dn, ranks)
+    to_out_a = lambda v: dot_to_out(v, ai, dn, ranks)
+    to_out_w = lambda v: dot_to_out(v, wi, dn, ranks)
     if zp_a:
         colsum = _xp(qw.codes).sum(qw.codes.astype(np.int32), axis=w_contract, keepdims=True)
         acc = acc - to_out_a(za_s) * to_out_w(colsum)
@@ -418,6 +398,17 @@ def _int_conv(
         acc = _conv_by_taps(xc, wc, p, out_shape) if direct else conv(xc, wc, None)
         w_scale = qw.scale.reshape(-1) if qw.scale.size > 1 else qw.scale.reshape(())
         return acc, per_sample(sa) * per_channel(w_scale)
+    host = _host(qw.codes)
+    if borders and zp_a and not host and np.ndim(za_s) == 0 and all(d == 1 for d in lhs_dil):
+        # A param's weight sums are not constants XLA could fold, so the mask convolutions
+        # below would run on every call: pad with the zero point instead (one pad, no
+        # border terms), then every window sums over all its positions.
+        pads = [(0, 0, 0)] * qa.ndim
+        for d, (lo, hi) in zip(dn.lhs_spec[2:], padding, strict=True):
+            pads[d] = (lo, hi, 0)
+        qa = lax.pad(qa, jnp.asarray(za_s).astype(qa.dtype), pads)
+        padding = tuple((0, 0) for _ in padding)
+        borders = False
     acc = conv(qa, wq)
 
     mask_shape = list(qa.shape)
@@ -473,7 +464,7 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
             len(shaped_aval(visit.eqn.invars[0]).shape),
             len(shaped_aval(visit.eqn.invars[1]).shape),
         )
-        return y * _dot_to_out(scale, wi, dn, ranks)
+        return y * dot_to_out(scale, wi, dn, ranks)
     shape = [1] * y.ndim
     shape[visit.params["dimension_numbers"].out_spec[1]] = -1
     return y * scale.reshape(shape)
@@ -494,7 +485,10 @@ def realize_handler(state: QState) -> SiteHandler:
         sa, za = act_qparams(a, scheme, site, params)
         bound = _check_overflow(site, qw, scheme, None if params is None else params.zero_point)
         if site.weights.granularity == "group":
-            return _int_dot_grouped(visit, site, qw, a, sa, za).astype(out_dtype)
+            y = _int_dot_grouped(visit, site, qw, a, sa, za)
+            bad = nonfinite_rows(visit, site, a)
+            return (y if bad is None else jnp.where(bad, jnp.nan, y)).astype(out_dtype)
+        bad = nonfinite_rows(visit, site, a)
         lower = _int_dot if site.primitive == "dot_general" else _int_conv
         acc, scale = lower(visit, site, qw, a, sa, za, bound < 2**24)
         out = state.act.get(site.name + ":out")
@@ -520,10 +514,11 @@ def realize_handler(state: QState) -> SiteHandler:
             acc = acc.astype(jnp.int32)  # exact: integer-valued (the f32-carried path)
             q = F.requantize(acc, jnp.asarray(m), jnp.asarray(e), zo, qmin + off, qmax + off)
             q = q.astype(jnp.int8)
-            return ((q.astype(jnp.int32) - zo).astype(jnp.float32) * jnp.float32(out.scale)).astype(
-                out_dtype
-            )
-        return (acc.astype(jnp.float32) * scale).astype(out_dtype)
+            y = (q.astype(jnp.int32) - zo).astype(jnp.float32) * jnp.float32(out.scale)
+        else:
+            y = acc.astype(jnp.float32) * scale
+        # codes cannot hold NaN or Inf: the rows that had them come out NaN, as simulated
+        return (y if bad is None else jnp.where(bad, jnp.float32(jnp.nan), y)).astype(out_dtype)
 
     return handle
 

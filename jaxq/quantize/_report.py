@@ -14,8 +14,8 @@ import numpy as np
 
 from jaxq._program import Program
 from jaxq.quantize._annotate import unmatched_rules
-from jaxq.quantize._lower import get_state
 from jaxq.quantize._qarray import QArray, is_qarray
+from jaxq.quantize._state import get_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,7 @@ class LayerReport:
     activation_zero_point: int | None = None
     rule: int | None = None
     sqnr_db: float | None = None  # of the layer's output against float, on a sample batch
+    clipped: float | None = None  # share of the sample's activation values outside the range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Report:
             "w scale",
             "a scale",
             "SQNR dB",
+            "clipped %",
             "status",
         )
         rows = []
@@ -113,6 +115,7 @@ class Report:
             )
             a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
             sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
+            cl = "" if r.clipped is None else f"{100 * r.clipped:.2f}"
             rows.append(
                 (
                     r.name,
@@ -122,6 +125,7 @@ class Report:
                     ws,
                     a_s,
                     sq,
+                    cl,
                     r.status,
                 )
             )
@@ -167,7 +171,10 @@ def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
 
 
 def make_report(
-    program: Program, sqnr: dict[str, float] | None = None, qparams: Any = None
+    program: Program,
+    sqnr: dict[str, float] | None = None,
+    qparams: Any = None,
+    clipped: dict[str, float] | None = None,
 ) -> Report:
     """The report of a quantized program; ``qparams``: its quantized params (params style)."""
     state = get_state(program, "report")
@@ -221,6 +228,7 @@ def make_report(
                 a_zp,
                 site.rule,
                 None if sqnr is None else sqnr.get(e.name),
+                None if clipped is None else clipped.get(e.name),
             )
         )
     return Report(

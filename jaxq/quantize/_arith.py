@@ -1,0 +1,320 @@
+"""The quantize arithmetic: scales from ranges, codes, weight quantization and fake quantization,
+all with ``simulated_quantize``'s operations, so the host, the simulated program and the
+realized program compute the same codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
+from jaxq.quantize._config import Scheme
+from jaxq.quantize._gptq import gptq_codes
+from jaxq.quantize._params import (
+    QView,
+)
+from jaxq.quantize._state import (
+    ActParams,
+    QParam,
+    QuantizeError,
+    QWeight,
+    Site,
+    is_concrete,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+# ---- scales -------------------------------------------------------------------------------------
+
+
+def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.Array]:
+    """Scale and zero point (float32, scheme's code range) covering ``[lo, hi]`` (and 0)."""
+    qmin, qmax = scheme.qrange
+    lo = jnp.minimum(jnp.asarray(lo, jnp.float32), 0.0)
+    hi = jnp.maximum(jnp.asarray(hi, jnp.float32), 0.0)
+    if scheme.symmetric:
+        if scheme.signed:
+            scale = jnp.maximum(-lo, hi) / jnp.float32(2 ** (scheme.bits - 1) - 1)
+        else:
+            scale = hi / jnp.float32(qmax)
+    else:
+        scale = (hi - lo) / jnp.float32(qmax - qmin)
+    scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.float32(1.0))
+    if scheme.symmetric:
+        zp = jnp.zeros_like(scale)
+    else:
+        zp = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+    return scale, zp
+
+
+def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
+    """Integer codes, as float32, computed exactly as ``simulated_quantize`` computes them."""
+    qmin, qmax = scheme.qrange
+    return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
+
+
+INT8_VIA_INT32_MIN = 2**16
+"""Tensors at least this large reach int8 through int32 (see ``int8_codes``)."""
+
+
+def int8_codes(q: jax.Array) -> jax.Array:
+    """Float codes (integers in the int8 range) as int8. A large tensor converts through int32:
+    XLA:CPU's YNN fusion would otherwise pull a direct f32 -> s8 convert into the next kernel,
+    and the loop fusion before it would write the codes as f32 (4x the bytes; measured 20-25%
+    faster for a requantize feeding a pooled int8 matmul at batch 256). A small one converts
+    directly: there the convert inside the kernel is cheaper (measured at batch 1)."""
+    if q.size >= INT8_VIA_INT32_MIN:
+        q = q.astype(jnp.int32)
+    return q.astype(jnp.int8)
+
+
+def storage_offset(scheme: Scheme) -> int:
+    """Shift that moves unsigned codes into the signed range (u8 never takes XLA's fast path)."""
+    return 0 if scheme.signed else -(2 ** (scheme.bits - 1))
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+
+MSE_RATIOS = tuple(1.0 - 0.02 * i for i in range(26))
+"""Clipping ratios of a weight's range tried by ``weight_calibration="mse"`` (1.0 down to 0.5)."""
+
+
+def _weight_ranges(
+    wf: jax.Array, axes: tuple[int, ...], s: Scheme, method: str
+) -> tuple[jax.Array, jax.Array]:
+    """``(lo, hi)`` of each block (``axes`` reduced, keepdims), clipped to the ratio with the
+    least squared error when ``method="mse"``."""
+    lo, hi = jnp.min(wf, axes, keepdims=True), jnp.max(wf, axes, keepdims=True)
+    if method != "mse":
+        return lo, hi
+    qmin, qmax = s.qrange
+
+    def error(r: float) -> jax.Array:
+        scale, zp = range_to_qparams(lo * r, hi * r, s)
+        q = jnp.clip(_ROUND[s.rounding](wf / scale) + zp, qmin, qmax)  # the scheme's rounding
+        return jnp.sum(jnp.square((q - zp) * scale - wf), axes, keepdims=True)
+
+    best_err, best_r = error(1.0), jnp.ones_like(lo)
+    for r in MSE_RATIOS[1:]:
+        err = error(r)
+        best_r = jnp.where(err < best_err, r, best_r)
+        best_err = jnp.minimum(err, best_err)
+    return lo * best_r, hi * best_r
+
+
+def weight_qparams(wf: jax.Array, site: Site, method: str) -> tuple[Any, Any, Any, Any]:
+    """``(scale, zero_point, group_scale, group_zero_point)`` of a float32 weight in the site's
+    orientation: scale and zero point broadcastable to it (full size for groups), the group ones
+    ``[channels, groups]`` (None unless grouped). Core ops only, so the same arithmetic runs on
+    the host (``quantize_weight``) and inside a program (QAT on params)."""
+    s = site.weights
+    if s.granularity in ("tensor", "channel"):
+        wc = jnp.moveaxis(wf, site.channel_axis, -1).reshape(-1, wf.shape[site.channel_axis])
+        axes = (0, 1) if s.granularity == "tensor" else (0,)
+        lo, hi = _weight_ranges(wc, axes, s, method)
+        scale, zp = range_to_qparams(lo, hi, s)
+        if s.granularity == "channel":  # [1, N] -> broadcastable to the weight
+            shape = [1] * wf.ndim
+            shape[site.channel_axis] = -1
+            return scale.reshape(shape), zp.reshape(shape), None, None
+        return scale.reshape(()), zp.reshape(()), None, None
+    # group: a 2-D weight, groups along the contracted axis, per channel
+    wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
+    n, kk = wt.shape
+    g = s.group_size
+    assert g is not None  # Scheme requires group_size with granularity="group"
+    lo, hi = _weight_ranges(wt.reshape(n, kk // g, g), (2,), s, method)
+    group_scale, group_zp = range_to_qparams(lo[..., 0], hi[..., 0], s)
+    full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
+    full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
+    return full_scale, full_zp, group_scale, group_zp
+
+
+def traced_qweight(w: jax.Array, site: Site, method: str) -> QWeight:
+    """A weight's scales computed inside the program from its current value (params in simulate
+    mode: QAT moves the weights, and the scales follow). No codes: the simulated program
+    fake-quantizes the weight itself. ``"gptq"`` needs data, so it uses minmax scales here."""
+    wf = lax.stop_gradient(w.astype(jnp.float32))
+    scale, zp, gs, gz = weight_qparams(wf, site, "mse" if method == "mse" else "minmax")
+    off = storage_offset(site.weights)
+    return QWeight(
+        codes=None,  # (not materialized in simulate mode)
+        scale=scale,
+        zero_point=(zp + off).astype(jnp.int32),
+        offset=off,
+        bits=site.weights.bits,
+        group_scale=gs,
+        group_zero_point=None if gz is None else (gz + off).astype(jnp.int32),
+        method=method,
+    )
+
+
+def view_qweight(view: QView, site: Site) -> QWeight:
+    """A QArray's values (traced, in the site's orientation) as the QWeight realize lowers;
+    a symmetric weight's zero point is a host zero, so no zero-point term is emitted."""
+    s = site.weights
+    scale = view.scale
+    symmetric = view.zero_point is None
+    zp = np.zeros((), np.int32) if symmetric else view.zero_point
+    gs = gz = None
+    if s.granularity == "group":
+        c = site.channel_axis
+        n = view.codes.shape[c]
+        gs = jnp.moveaxis(scale, c, 0).reshape(n, -1)
+        gz = np.zeros(gs.shape, np.int32) if symmetric else jnp.moveaxis(zp, c, 0).reshape(n, -1)
+        scale = view.full(scale)
+        zp = zp if symmetric else view.full(zp)
+    return QWeight(
+        codes=view.codes,
+        scale=scale,
+        zero_point=zp,
+        offset=storage_offset(s),
+        bits=s.bits,
+        group_scale=gs,
+        group_zero_point=gz,
+        method="params",
+    )
+
+
+def quantize_weight(
+    w: Any,
+    site: Site,
+    method: str = "minmax",
+    gram: np.ndarray | None = None,
+    damp: float = 0.1,
+) -> QWeight:
+    """Quantize a weight once, with ``simulated_quantize``'s arithmetic (eagerly). ``method``:
+    how scales and codes are chosen (``QConfig.weight_calibration``); ``"gptq"`` needs ``gram``,
+    the second moment of the activation over the weight's contracted axes flattened in order
+    (else minmax)."""
+    s = site.weights
+    with jax.ensure_compile_time_eval():
+        wf = jnp.asarray(w, jnp.float32)
+        if not bool(jnp.all(jnp.isfinite(wf))):
+            raise QuantizeError(f"quantize: weight of {site.name!r} holds NaN or Inf")
+        full_scale, full_zp, group_scale, group_zp = weight_qparams(wf, site, method)
+        off = storage_offset(s)
+        scales = QWeight(
+            codes=np.zeros(wf.shape, np.int8),
+            scale=np.asarray(full_scale, np.float32),
+            zero_point=np.asarray(full_zp + off).astype(np.int32),
+            offset=off,
+            bits=s.bits,
+            group_scale=None if group_scale is None else np.asarray(group_scale, np.float32),
+            group_zero_point=None if group_zp is None else np.asarray(group_zp + off, np.int32),
+            method="mse" if method == "mse" else "minmax",
+        )
+        if method == "gptq" and gram is not None:
+            # rows: the contracted axes flattened in order (the order of ``gram``)
+            perm = [
+                *site.contract_axes,
+                *(d for d in range(wf.ndim) if d not in site.contract_axes),
+            ]
+            k = math.prod(wf.shape[d] for d in site.contract_axes)
+            to_2d = lambda v: np.transpose(
+                np.broadcast_to(np.asarray(v, np.float64), wf.shape), perm
+            ).reshape(k, -1)
+            q = gptq_codes(to_2d(wf), to_2d(scales.scale), to_2d(full_zp), s.qrange, gram, damp)
+            q = np.transpose(q.reshape([wf.shape[d] for d in perm]), np.argsort(perm))
+            return dataclasses.replace(scales, codes=(q + off).astype(np.int8), method="gptq")
+        # The codes are read back from the simulated value itself: XLA divides by a broadcast
+        # scale as w * (1 / s), so recomputing round(w / s) elsewhere (in numpy) could differ by
+        # one code at a tie.
+        fq = np.asarray(fake_quant_weight(np.asarray(wf), scales, site), np.float64)
+        q = np.rint(fq / scales.scale) + (scales.zero_point - off)
+    return dataclasses.replace(scales, codes=(q + off).astype(np.int8))
+
+
+def dequantized_weight(qw: QWeight, dtype: Any) -> np.ndarray:
+    """``(codes - zero_point) * scale`` in float32, as ``simulated_quantize`` computes it: for
+    codes not chosen by rounding (GPTQ), the float weight the simulated program uses instead."""
+    w = (qw.codes.astype(np.float32) - qw.zero_point.astype(np.float32)) * qw.scale
+    return w.astype(dtype)
+
+
+def _sq_params(scheme: Scheme, kind: str) -> dict[str, Any]:
+    """The static params of ``simulated_quantize_p`` for a scheme (axis and groups aside)."""
+    return dict(
+        bits=scheme.bits,
+        signed=scheme.signed,
+        kind=kind,
+        rounding=scheme.rounding,
+        narrow_range=scheme.narrow_range,
+        ste="identity",
+    )
+
+
+def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
+    """``simulated_quantize(w, kind="weight")`` with the weight's precomputed scales."""
+    s = site.weights
+    params = _sq_params(s, "weight")
+    # A known weight stays a numpy array, so the simulated value is computed the same way (numpy
+    # arithmetic) when the program runs eagerly and when realize reads the codes back.
+    xp = np if is_concrete(w) else jnp
+    w = np.asarray(w) if is_concrete(w) else w
+    zp = (qw.zero_point - qw.offset).astype(np.float32)
+    if s.granularity == "tensor":
+        return simulated_quantize_p.bind(
+            w, qw.scale.reshape(()), zp.reshape(()), axis=None, group_size=None, **params
+        )
+    if s.granularity == "channel":
+        c = site.channel_axis
+        return simulated_quantize_p.bind(
+            w, qw.scale.reshape(-1), zp.reshape(-1), axis=c, group_size=None, **params
+        )
+    # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
+    wt = xp.moveaxis(w, site.channel_axis, 0)
+    assert qw.group_zero_point is not None  # quantize_weight sets it for granularity="group"
+    gzp = (qw.group_zero_point - qw.offset).astype(np.float32)
+    y = simulated_quantize_p.bind(
+        wt, qw.group_scale, gzp, axis=1, group_size=s.group_size, **params
+    )
+    return jnp.moveaxis(y, 0, site.channel_axis)
+
+
+# ---- activations --------------------------------------------------------------------------------
+
+
+def act_qparams(
+    x: jax.Array, scheme: Scheme, site: Site, params: ActParams | None
+) -> tuple[QParam, QParam]:
+    """Static (calibrated) scale and zero point, or dynamic ones computed from ``x`` (per tensor,
+    or per token with keepdims over the site's reduce axes)."""
+    if params is not None:  # host constants: scale arithmetic folds in numpy
+        return np.float32(params.scale), np.float32(params.zero_point)
+    xf = lax.stop_gradient(x.astype(jnp.float32))
+    ax = site.reduce_axes if scheme.granularity == "token" else None
+    if ax is None:  # one scale for all rows: a row holding NaN or Inf must not set it
+        row_bad = jnp.any(~jnp.isfinite(xf), axis=site.reduce_axes, keepdims=True)
+        xf = jnp.where(row_bad, jnp.float32(0), xf)
+    keep = scheme.granularity == "token"
+    if scheme.symmetric:  # one reduction: the scale only needs max|x| (signed) or max(x)
+        hi = jnp.max(jnp.abs(xf) if scheme.signed else xf, ax, keepdims=keep)
+        return range_to_qparams(-hi if scheme.signed else jnp.zeros_like(hi), hi, scheme)
+    return range_to_qparams(jnp.min(xf, ax, keepdims=keep), jnp.max(xf, ax, keepdims=keep), scheme)
+
+
+def fake_quant_act(
+    x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme, site: Site
+) -> jax.Array:
+    params = dict(_sq_params(scheme, "activation"), group_size=None)
+    if np.ndim(scale) == 0:
+        return simulated_quantize_p.bind(
+            x, jnp.asarray(scale), jnp.asarray(zp), axis=None, **params
+        )
+    # per token: kept axes first, so the scale's leading dims line up with x's
+    kept = tuple(d for d in range(x.ndim) if d not in site.reduce_axes)
+    perm = kept + tuple(site.reduce_axes)
+    xt = jnp.transpose(x, perm)
+    shape = tuple(x.shape[d] for d in kept)
+    y = simulated_quantize_p.bind(xt, scale.reshape(shape), zp.reshape(shape), axis=None, **params)
+    return jnp.transpose(y, tuple(int(d) for d in np.argsort(perm)))

@@ -1,0 +1,155 @@
+"""Integer pass-through chains (realize): shape ops, max pooling and ReLU that run on int8 codes
+between two quantized layers instead of dequantizing and quantizing again."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxq import _compat as C
+from jaxq._program import Program
+from jaxq.quantize._state import (
+    INLINE,
+    QState,
+    shaped_aval,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+# ---- integer pass-through ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QTensor:
+    """An activation already in the integer domain (realize only): int8 codes whose real value is
+    ``scale * (codes - zero_point)``. It only flows from a chain of pass-through equations into the
+    quantized equation that planned the chain (see :func:`plan_chains`)."""
+
+    codes: jax.Array
+    scale: Any
+    zero_point: Any  # int32, offset into the signed range
+    bad: Any = None
+    """Which samples (leading axis) held NaN or Inf before quantizing: bool, shaped
+    ``[N, 1, ...]`` like the codes' rank (or a scalar where a shape op moved the leading axis)."""
+
+    def dequantize(self) -> jax.Array:
+        return (self.codes.astype(jnp.int32) - self.zero_point).astype(jnp.float32) * self.scale
+
+
+_SHAPE_PASS = (
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "slice",
+    "rev",
+    "copy",
+    "copy_p",
+    "reduce_window_max",
+)
+PASS_THROUGH = (*_SHAPE_PASS, "max", "custom_jvp_call")
+
+
+def _is_zero(atom: Any) -> bool:
+    return C.is_literal(atom) and np.ndim(atom.val) == 0 and float(atom.val) == 0.0
+
+
+def _relu_body(jaxpr: C.Jaxpr) -> bool:
+    """``max(x, 0)``, possibly wrapped in single-equation jit calls (``jax.nn.relu``)."""
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in INLINE:
+        (_, _, sub), *_ = C.subjaxpr_params(jaxpr.eqns[0].params)
+        jaxpr = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
+    if len(jaxpr.eqns) != 1 or len(jaxpr.invars) != 1:
+        return False
+    e = jaxpr.eqns[0]
+    return (
+        e.primitive.name == "max"
+        and jaxpr.invars[0] in e.invars
+        and any(_is_zero(a) for a in e.invars)
+    )
+
+
+def passthrough_input(eqn: C.JaxprEqn) -> int | None:
+    """Index of the data operand of an equation that commutes exactly with per-tensor quantization
+    (shape ops, max pooling, ReLU), else None."""
+    prim = eqn.primitive.name
+    data = [i for i, v in enumerate(eqn.invars) if not C.is_literal(v)]
+    if len(data) != 1 or len(eqn.outvars) != 1:
+        return None
+    if prim in _SHAPE_PASS:
+        return data[0]
+    if prim == "max" and any(_is_zero(v) for v in eqn.invars):
+        return data[0]
+    if prim == "custom_jvp_call":
+        body = eqn.params["call_jaxpr"]
+        return (
+            data[0] if _relu_body(body.jaxpr if isinstance(body, C.ClosedJaxpr) else body) else None
+        )
+    return None
+
+
+def plan_chains(source: Program, state: QState) -> dict[str, str]:
+    """Equations (by name) whose single-use outputs only feed, through pass-through equations, the
+    activation operand of a statically quantized equation: they run on int8 codes in realize."""
+    jaxpr = source.jaxpr.jaxpr
+    names = source.names
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    uses = C.use_counts(jaxpr.eqns, jaxpr.outvars)
+    chains: dict[str, str] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        name = names[(i,)]
+        site = state.sites.get(name)
+        if (
+            site is None
+            or site.activations is None
+            or site.activations.granularity != "tensor"
+            or name not in state.act
+            or name in state.act_absmax  # smoothed: divided per channel before quantizing
+            or not jnp.issubdtype(shaped_aval(e.invars[1 - site.weight_index]).dtype, jnp.floating)
+        ):
+            continue
+        v = e.invars[1 - site.weight_index]
+        while not C.is_literal(v) and v in producer and uses.get(v) == 1:
+            j = producer[v]
+            k = passthrough_input(jaxpr.eqns[j])
+            if k is None:
+                break
+            chains[names[(j,)]] = name
+            v = jaxpr.eqns[j].invars[k]
+    return chains
+
+
+def sample_mask(x: jax.Array) -> jax.Array:
+    """Per sample (leading axis), whether ``x`` holds NaN or Inf: ``[N, 1, ...]``."""
+    if x.ndim == 0:
+        return ~jnp.isfinite(x)
+    return jnp.any(~jnp.isfinite(x), axis=tuple(range(1, x.ndim)), keepdims=True)
+
+
+def follow_mask(bad: Any, eqn: C.JaxprEqn, out_shape: tuple[int, ...]) -> Any:
+    """The sample mask after a pass-through equation: kept where the equation leaves the leading
+    axis in place, else one flag for the whole tensor (never a finite row for a bad one)."""
+    if bad is None or np.ndim(bad) == 0:
+        return bad
+    prim, p = eqn.primitive.name, eqn.params
+    n = bad.shape[0]
+    in_shape = shaped_aval(eqn.invars[passthrough_input(eqn) or 0]).shape
+    keeps_lead = bool(out_shape) and out_shape[0] == n and in_shape[0] == n
+    if prim == "transpose":
+        keeps_lead = keeps_lead and p["permutation"][0] == 0
+    elif prim == "broadcast_in_dim":
+        keeps_lead = keeps_lead and tuple(p["broadcast_dimensions"])[:1] == (0,)
+    elif prim == "reduce_window_max":
+        keeps_lead = keeps_lead and p["window_dimensions"][0] == 1
+    elif prim == "rev":
+        keeps_lead = keeps_lead and 0 not in p["dimensions"]
+    if keeps_lead:
+        return bad.reshape((n,) + (1,) * (len(out_shape) - 1))
+    return jnp.any(bad)

@@ -1,0 +1,214 @@
+"""Sites: which equations are quantized (rules over names), and their geometry (which weight axis
+holds the output channels, which axes are contracted, which activation axes are reduced per
+token)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxq._walk import Visit
+from jaxq.quantize._config import INHERIT, QConfig, Scheme
+from jaxq.quantize._state import (
+    ELEMENTWISE,
+    QuantizeError,
+    Site,
+    shaped_aval,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+# ---- rules: which scheme applies where ------------------------------------------------------------
+
+
+def resolve(
+    config: QConfig, name: str, primitive: str
+) -> tuple[Scheme | None, Scheme | None, int | None]:
+    """``(weights, activations, rule index)`` for an equation; weights None means float."""
+    if primitive in ELEMENTWISE:  # opt-in: a rule must name the primitive; weights only
+        for i, rule in enumerate(config.rules):
+            if rule.primitives and primitive in rule.primitives and rule.matches(name, primitive):
+                w = (
+                    None
+                    if rule.skip
+                    else config.weights
+                    if rule.weights is INHERIT
+                    else rule.weights
+                )
+                return w, None, i
+        return None, None, None
+    for i, rule in enumerate(config.rules):
+        if rule.matches(name, primitive):
+            if rule.skip:
+                return None, None, i
+            w = config.weights if rule.weights is INHERIT else rule.weights
+            a = config.activations if rule.activations is INHERIT else rule.activations
+            return w, a, i
+    return config.weights, config.activations, None
+
+
+# ---- geometry -----------------------------------------------------------------------------------
+
+
+def _dot_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
+    shapes = [shaped_aval(v).shape for v in visit.eqn.invars]
+    wc, wb = (lc, rc)[wi], (lb, rb)[wi]
+    ac = (lc, rc)[1 - wi]
+    free = [d for d in range(len(shapes[wi])) if d not in wc and d not in wb]
+    if not free:
+        return "the weight has no output-channel axis"
+    lay = visit.in_layouts[wi] if visit.in_layouts else None
+    letter = "O" if wi == 1 else "N"
+    channel = lay.index(letter) if lay and letter in lay else free[0]
+    return channel, tuple(wc), tuple(ac)
+
+
+def _conv_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    if wi != 1:
+        return "the convolution's input (not its kernel) is constant"
+    p = visit.params
+    if p["batch_group_count"] != 1:
+        return "batch_group_count > 1"
+    dn = p["dimension_numbers"]
+    lay = visit.in_layouts[1] if visit.in_layouts else None
+    channel = lay.index("O") if lay and "O" in lay else dn.rhs_spec[0]
+    nd = len(dn.rhs_spec)
+    lhs_nd = len(dn.lhs_spec)
+    contract = tuple(d for d in range(nd) if d != channel)
+    reduce = tuple(d for d in range(lhs_nd) if d != dn.lhs_spec[0])
+    return channel, contract, reduce
+
+
+def _elementwise_geometry(
+    visit: Visit, wi: int, weights: Scheme
+) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    shape = shaped_aval(visit.eqn.invars[wi]).shape
+    if weights.granularity == "group":
+        raise QuantizeError(
+            f"quantize: granularity='group' applies to matmul weights; {visit.name!r} is a "
+            f"{visit.primitive}. Use 'tensor' or 'channel' in its Rule."
+        )
+    if not shape and weights.granularity == "channel":
+        return "a scalar operand has no channel axis"
+    return max(len(shape) - 1, 0), (), ()
+
+
+def gptq_input_axis(visit: Visit, site: Site) -> int | None:
+    """The activation axis whose second moment GPTQ needs, or None where it does not apply
+    (convolutions, batched matmuls, several contracted axes)."""
+    if site.primitive != "dot_general" or len(site.contract_axes) != 1:
+        return None
+    (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
+    if lb or rb:
+        return None
+    return (lc, rc)[1 - site.weight_index][0]
+
+
+def make_site(
+    visit: Visit,
+    config: QConfig,
+    wi: int,
+    weights: Scheme,
+    acts: Scheme | None,
+    rule: int | None,
+    in_loop: bool,
+) -> Site | str:
+    if visit.primitive in ELEMENTWISE:
+        geo = _elementwise_geometry(visit, wi, weights)
+    elif visit.primitive == "dot_general":
+        geo = _dot_geometry(visit, wi)
+    else:
+        geo = _conv_geometry(visit, wi)
+    if isinstance(geo, str):
+        return geo
+    channel, contract, reduce = geo
+    w_aval = shaped_aval(visit.eqn.invars[wi])
+    if weights.granularity == "group":
+        if visit.primitive != "dot_general" or len(w_aval.shape) != 2 or len(contract) != 1:
+            raise QuantizeError(
+                f"quantize: granularity='group' needs a 2-D weight with one contracted axis "
+                f"(a matmul); {visit.name!r} is a {visit.primitive} with weight shape "
+                f"{tuple(w_aval.shape)}. Use a Rule to give this layer 'channel' granularity."
+            )
+        k = w_aval.shape[contract[0]]
+        if k % weights.group_size:
+            raise QuantizeError(
+                f"quantize: group_size={weights.group_size} does not divide the contracted size "
+                f"{k} of {visit.name!r}"
+            )
+        if config.requantize == "fixed_point":
+            raise QuantizeError(
+                f"quantize: requantize='fixed_point' cannot combine group-wise weight scales "
+                f"({visit.name!r}); use requantize='float' or granularity='channel'"
+            )
+    return Site(
+        name=visit.name,
+        primitive=visit.primitive,
+        weight_index=wi,
+        weights=weights,
+        activations=acts,
+        rule=rule,
+        channel_axis=channel,
+        contract_axes=contract,
+        reduce_axes=reduce,
+        in_loop=in_loop,
+    )
+
+
+def dot_to_out(v: Any, operand: int, dn: Any, ranks: tuple[int, int]) -> Any:
+    """An array over one operand's axes (contracted axes of size 1) -> broadcastable to the
+    dot_general output (batch dims in dimension-number order, lhs free, rhs free)."""
+    if np.ndim(v) == 0:
+        return v
+    xp = np if isinstance(v, (np.ndarray, np.generic)) else jnp
+    (lc, rc), (lb, rb) = dn
+    contract, batch = (lc, rc)[operand], (lb, rb)[operand]
+    free = [d for d in range(ranks[operand]) if d not in contract and d not in batch]
+    other_free = [
+        d
+        for d in range(ranks[1 - operand])
+        if d not in (lc, rc)[1 - operand] and d not in (lb, rb)[1 - operand]
+    ]
+    v = xp.transpose(v, [*batch, *free, *contract])
+    v = v.reshape(v.shape[: len(batch) + len(free)])
+    ones = (1,) * len(other_free)
+    nb, nf = len(batch), len(free)
+    shape = v.shape[:nb] + (ones + v.shape[nb:] if operand == 1 else v.shape[nb : nb + nf] + ones)
+    return v.reshape(shape)
+
+
+def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
+    """Where the output depends on an activation row holding NaN or Inf: a bool array that
+    broadcasts against the output (a matmul's rows; a convolution's samples), or None for an
+    operand already in int8. Quantization would turn those values into finite codes, so both
+    modes make those outputs NaN, and no other output changes."""
+    if hasattr(a, "bad"):  # int8 codes from a pass-through chain: the mask it carried
+        bad = a.bad
+        if bad is None or np.ndim(bad) == 0:
+            return bad
+    elif not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
+        return None
+    else:
+        bad = ~jnp.isfinite(a)
+    if site.primitive == "dot_general":
+        dn = visit.params["dimension_numbers"]
+        ai = 1 - site.weight_index
+        ranks = (
+            len(shaped_aval(visit.eqn.invars[0]).shape),
+            len(shaped_aval(visit.eqn.invars[1]).shape),
+        )
+        return dot_to_out(jnp.any(bad, axis=dn[0][ai], keepdims=True), ai, dn, ranks)
+    if site.primitive == "conv_general_dilated":
+        dn = visit.params["dimension_numbers"]
+        n = dn.lhs_spec[0]
+        per_sample = jnp.any(bad, axis=tuple(d for d in range(bad.ndim) if d != n))
+        shape = [1] * len(dn.out_spec)
+        shape[dn.out_spec[0]] = -1
+        return per_sample.reshape(shape)
+    return None  # (elementwise sites: NaN and Inf pass through as they are)

@@ -1,0 +1,125 @@
+"""Non-finite values: the same policy in every mode.
+
+NaN and Inf in an activation row make that row's outputs NaN (a convolution's: that sample's),
+never a finite number, and never change another row. Calibration refuses them, naming the layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax import lax
+
+from jaxq import quantize as Q
+from jaxq.quantize import QConfig, QuantizeError, Scheme
+
+RNG = np.random.default_rng(1)
+W1 = (RNG.normal(size=(8, 16)) * 0.4).astype(np.float32)
+W2 = (RNG.normal(size=(16, 4)) * 0.4).astype(np.float32)
+K = (RNG.normal(size=(3, 3, 2, 4)) * 0.4).astype(np.float32)
+X = RNG.normal(size=(5, 8)).astype(np.float32)
+IMG = RNG.normal(size=(3, 6, 6, 2)).astype(np.float32)
+
+
+def mlp(params, x):
+    with jax.named_scope("Dense_0"):
+        x = jax.nn.relu(x @ params["w1"])
+    with jax.named_scope("Dense_1"):
+        return x @ params["w2"]
+
+
+def cnn(params, x):
+    y = lax.conv_general_dilated(
+        x, params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jnp.mean(jax.nn.relu(y), axis=(1, 2))
+
+
+CONFIGS = {
+    "static": dict(config=QConfig()),
+    "fixed_point": dict(config=QConfig(requantize="fixed_point"), closure=True),
+    "dynamic": dict(config=QConfig(dynamic=True)),
+    "token": dict(
+        config=QConfig(dynamic=True, activations=Scheme(granularity="token", symmetric=False))
+    ),
+    "weights": dict(config=QConfig(activations=None)),
+}
+
+
+@functools.cache
+def make(kind, mode, model="mlp"):
+    f, params, x = (mlp, {"w1": W1, "w2": W2}, X) if model == "mlp" else (cnn, {"k": K}, IMG)
+    opts = CONFIGS[kind]
+    calib = [(x,), (x * 1.5,)]
+    if opts.get("closure"):
+        return Q(
+            functools.partial(f, params),
+            calibration=calib,
+            config=opts["config"],
+            mode=mode,
+            progress=False,
+        )
+    return Q(f, params, calibration=calib, config=opts["config"], mode=mode, progress=False)
+
+
+@pytest.mark.parametrize("mode", ["realize", "simulate"])
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_nonfinite_row_is_nan_and_the_others_do_not_change(kind, mode, bad):
+    qf = make(kind, mode)
+    x = X.copy()
+    x[1, 3] = bad
+    clean = X.copy()
+    clean[1] = 0.0  # what the other rows must see: as if that row were zeros
+    got, want = np.asarray(jax.jit(qf)(x)), np.asarray(jax.jit(qf)(clean))
+    assert np.all(np.isnan(got[1])), (kind, mode, got[1])
+    rows = [0, 2, 3, 4]
+    np.testing.assert_array_equal(got[rows], want[rows])
+
+
+@pytest.mark.parametrize("mode", ["realize", "simulate"])
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_a_nonfinite_sample_of_a_convolution_is_nan_and_the_others_do_not_change(kind, mode):
+    qf = make(kind, mode, "cnn")
+    x = IMG.copy()
+    x[2, 1, 4, 0] = np.nan
+    clean = IMG.copy()
+    clean[2] = 0.0
+    got, want = np.asarray(qf(x)), np.asarray(qf(clean))
+    assert np.all(np.isnan(got[2]))
+    np.testing.assert_array_equal(got[:2], want[:2])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 4), st.floats(-50, 50, allow_nan=False, width=32), st.integers(0, 7))
+def test_per_token_rows_are_independent(row, value, col):
+    qf = make("token", "realize")
+    x = X.copy()
+    x[row, col] = value
+    got, want = np.asarray(qf(x)), np.asarray(qf(X))
+    others = [r for r in range(5) if r != row]
+    np.testing.assert_array_equal(got[others], want[others])
+
+
+def test_calibration_refuses_nonfinite_data_naming_layer_and_batch():
+    x = X.copy()
+    x[0, 0] = np.inf
+    with pytest.raises(QuantizeError, match=r"Dense_0/dot_general.*batch 1"):
+        Q(mlp, {"w1": W1, "w2": W2}, calibration=[(X,), (x,)], progress=False)
+
+
+def test_report_shows_the_share_of_clipped_activations():
+    qf = make("static", "realize")
+    inside = qf.report(sample=(X,))
+    assert all(r.clipped == 0.0 for r in inside.layers)
+    far = qf.report(sample=(X * 10,))
+    clipped = {r.name: r.clipped for r in far.layers}
+    assert clipped["Dense_0/dot_general"] > 0.3  # inputs 10x the calibrated range
+    assert "clipped %" in str(far)
+    assert qf.clipped(X * 10) == clipped
