@@ -159,10 +159,12 @@ def _observer_fn(
     return jax.jit(run)
 
 
-def _channel_absmax(v: jax.Array, axis: int) -> jax.Array:
-    """``max |v|`` per index of ``axis`` (an input channel)."""
-    x = jnp.moveaxis(jnp.abs(jnp.asarray(v).astype(jnp.float32)), axis, -1)
-    return jnp.max(x.reshape(-1, x.shape[-1]), axis=0)
+def _channel_absmax(v: Any, axis: int) -> Any:
+    """``max |v|`` per index of ``axis`` (an input channel); on the host for a constant weight
+    (XLA would constant-fold the reduction, slowly)."""
+    xp = np if isinstance(v, (np.ndarray, np.generic)) else jnp
+    x = xp.moveaxis(xp.abs(xp.asarray(v).astype(np.float32)), axis, -1)
+    return xp.max(x.reshape(-1, x.shape[-1]), axis=0)
 
 
 def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
@@ -317,12 +319,12 @@ def calibrate_program(
         scheme = site.activations
         assert scheme is not None  # _observed_keys keeps only sites with activation schemes
         lo, hi = o.value_range(method, scheme, pct)
-        if float(o.min) == float(o.max):
+        if float(o.min) == float(o.max) == 0.0:  # (a constant c != 0 still spans [0, c])
             warnings.warn(
                 f"calibrate: the {'output' if k.endswith(':out') else 'input'} of layer "
-                f"{k.removesuffix(':out')!r} was {float(o.min):g} everywhere in all {o.batches} "
-                "calibration batch(es), so its scale is a guess; calibrate with data like the "
-                "inputs it will see",
+                f"{k.removesuffix(':out')!r} was 0 everywhere in all {o.batches} calibration "
+                "batch(es), so its scale (1.0) is a guess; calibrate with data like the inputs "
+                "it will see",
                 UserWarning,
                 stacklevel=2,
             )
