@@ -1,0 +1,20 @@
+"""The README says what the code does: its test commands are CI's, its examples print what their
+comments promise."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.DOTALL)
+
+
+def test_ci_runs_every_readme_test_command():
+    commands = [b.strip() for b in blocks("bash") if "pytest" in b]
+    assert len(commands) == 2  # Python 3.11 and Python 3.13
+    ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+    assert [c for c in commands if c not in ci] == []
+
