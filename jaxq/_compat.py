@@ -154,6 +154,66 @@ def replace_param(params: dict[str, Any], key: str, index: int | None, new: Any)
     params[key] = type(old)(*seq) if hasattr(old, "_fields") else tuple(seq)
 
 
+_SUB_LABELS = {"branches": "branch", "cond_jaxpr": "cond", "body_jaxpr": "body"}
+
+
+def sub_label(key: str) -> str:
+    """A short label for the nested-jaxpr param ``key`` (``branch`` for cond's ``branches``)."""
+    return _SUB_LABELS.get(key, key)
+
+
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(constants, carries)`` among a scan's operands."""
+    if "ft_in" in params:  # jax >= 0.11: operands are a flat tree (consts, carry, xs)
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return params["num_consts"], params["num_carry"]
+
+
+def nested_links(
+    eqn: JaxprEqn, key: str, inner: Jaxpr
+) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+    """How the nested jaxpr ``inner`` at param ``key`` of ``eqn`` meets the equation.
+
+    Returns ``(inputs, outputs)``: pairs ``(inner input, outer operand)`` and ``(inner output,
+    outer result)`` that hold the same value each iteration (a scan's sliced ``xs`` and stacked
+    ``ys`` are left out; so are a while's condition output and the cond's branch index).
+    """
+    prim, p = eqn.primitive.name, eqn.params
+    ins: list[Any] = list(eqn.invars)
+    outs: list[Any] = list(eqn.outvars)
+    if prim == "cond":
+        ins = ins[1:]
+    elif prim == "while":
+        cond_n, body_n = p["cond_nconsts"], p["body_nconsts"]
+        carry = ins[cond_n + body_n :]
+        ins = [*ins[:cond_n], *carry] if key == "cond_jaxpr" else ins[cond_n:]
+        if key == "cond_jaxpr":
+            outs = []
+    elif prim == "scan":
+        n_consts, n_carry = _scan_counts(p)
+        ins, outs = ins[: n_consts + n_carry], outs[:n_carry]
+    return (
+        list(zip(inner.invars, ins, strict=False)),
+        list(zip(inner.outvars, outs, strict=False)),
+    )
+
+
+_INLINE_BODY = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
+
+
+def inline_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The body of a call-like equation (jit, custom_jvp_call, custom_vjp_call) that evaluates
+    exactly like the equation on the same operands; None for any other equation."""
+    key = _INLINE_BODY.get(eqn.primitive.name)
+    return None if key is None else as_closed(eqn.params[key])
+
+
 def as_closed(j: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
     return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, [])
 
@@ -207,6 +267,18 @@ def make_call_eqn(
 def is_call_eqn(eqn: JaxprEqn) -> bool:
     """Whether ``eqn`` is a nested ``jit`` call (what :func:`make_call_eqn` makes)."""
     return eqn.primitive is _template("jit").primitive
+
+
+def call_name(eqn: JaxprEqn) -> str | None:
+    """The function name of a nested ``jit`` call; None for any other equation."""
+    return eqn.params.get("name") if is_call_eqn(eqn) else None
+
+
+def call_body(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The body of a nested ``jit`` call (see :func:`is_call_eqn`)."""
+    if not is_call_eqn(eqn):
+        raise TypeError(f"call_body: {eqn.primitive.name} is not a jit call")
+    return as_closed(eqn.params["jaxpr"])
 
 
 def make_device_put_eqn(x: Any, out: Var, device: Any, like: JaxprEqn | None) -> JaxprEqn:

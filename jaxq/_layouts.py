@@ -14,7 +14,6 @@ Convolutions: lhs/out ``N C`` + spatial, rhs ``O I`` + spatial, spatial letters 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from jaxq import _compat as C
@@ -222,31 +221,9 @@ class _Solver:
                 self.set(v, known)
 
     def _nested(self, eqn: C.JaxprEqn) -> None:
-        prim = eqn.primitive.name
-        p = eqn.params
-        for key, _, sub in C.subjaxpr_params(p):
+        for key, _, sub in C.subjaxpr_params(eqn.params):
             inner = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
-            pairs_in: Iterable[tuple[Any, Any]]
-            pairs_out: Iterable[tuple[Any, Any]]
-            if prim == "cond":
-                pairs_in = zip(inner.invars, eqn.invars[1:], strict=False)
-                pairs_out = zip(inner.outvars, eqn.outvars, strict=False)
-            elif prim == "while":
-                nc = p["cond_nconsts"] if key == "cond_jaxpr" else p["body_nconsts"]
-                start = 0 if key == "cond_jaxpr" else p["cond_nconsts"]
-                consts = eqn.invars[start : start + nc]
-                carry = eqn.invars[p["cond_nconsts"] + p["body_nconsts"] :]
-                pairs_in = zip(inner.invars, [*consts, *carry], strict=False)
-                pairs_out = (
-                    zip(inner.outvars, eqn.outvars, strict=False) if key == "body_jaxpr" else ()
-                )
-            elif prim == "scan":
-                n = p["num_consts"] + p["num_carry"]
-                pairs_in = zip(inner.invars[:n], eqn.invars[:n], strict=False)
-                pairs_out = zip(inner.outvars[: p["num_carry"]], eqn.outvars, strict=False)
-            else:  # call-like: jit, remat, custom_jvp_call, custom_vjp_call
-                pairs_in = zip(inner.invars, eqn.invars, strict=False)
-                pairs_out = zip(inner.outvars, eqn.outvars, strict=False)
+            pairs_in, pairs_out = C.nested_links(eqn, key, inner)
             for a, b in (*pairs_in, *pairs_out):
                 if not C.is_literal(a) and not C.is_literal(b) and _shape(a) == _shape(b):
                     self.link(a, b)

@@ -20,8 +20,6 @@ from jaxq import _compat as C
 
 Path = tuple[Any, ...]
 
-_SUB_LABELS = {"branches": "branch", "cond_jaxpr": "cond", "body_jaxpr": "body"}
-
 
 def is_baked(scope: str, primitive: str) -> bool:
     return scope == primitive or re.fullmatch(re.escape(primitive) + r"_\d+", scope) is not None
@@ -37,7 +35,7 @@ def local_base(eqn: C.JaxprEqn) -> str:
 
 
 def sub_label(key: str, index: int | None) -> str:
-    label = _SUB_LABELS.get(key, key)
+    label = C.sub_label(key)
     return label if index is None else f"{label}{index}"
 
 

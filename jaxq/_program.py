@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
-from jaxq import _names
+from jaxq import _names, _nnx
 from jaxq._layouts import layout_map
 
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
@@ -211,8 +212,11 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
         return out_flat
 
     name = getattr(f, "__name__", type(f).__name__)
+    # an NNX model names its layers by module path, as linen models do by themselves
+    scopes = _nnx.module_scopes(f) if _nnx.is_nnx_module(f) else contextlib.nullcontext()
     try:
-        closed = jax.make_jaxpr(flat_fun)(*flat)
+        with scopes:
+            closed = jax.make_jaxpr(flat_fun)(*flat)
     except jax.errors.JAXTypeError as e:
         raise TraceError(
             f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}\n"

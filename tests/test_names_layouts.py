@@ -130,3 +130,30 @@ def test_layouts_flow_into_nested_calls_and_survive_rewrites():
     assert tanh.in_layouts == ("NO",)
     again = T.identity()(prog)  # layouts are recomputed for the new jaxpr
     assert again.equation("jit/tanh").out_layouts == ("NO",)
+
+
+def test_layouts_flow_through_scan_while_and_cond_bodies():
+    """Each construct links its operands to its body's inputs by its own convention (a scan's
+    constants and carry, a while's body constants after the condition's, a cond's operands after
+    the index): a matmul's layouts in the body must reach the right outer value."""
+    n = np.ones((2, 3), np.float32)
+    w = np.ones((3, 3), np.float32)
+
+    def scan(x, w, xs):
+        return lax.scan(lambda c, xi: (jnp.tanh(c @ w), xi), x, xs)[0]
+
+    def while_(limit, x, w):
+        return lax.while_loop(lambda s: s[0] < limit, lambda s: (s[0] + 1, s[1] @ w), (0, x))[1]
+
+    def cond(p, x, w):
+        return lax.cond(p, lambda a, b: a @ b, lambda a, b: jnp.tanh(a @ b), x, w)
+
+    cases = [
+        (scan, (n, w, np.ones((4, 5), np.float32)), ["NC", "IO", None]),
+        (while_, (3, n, w), [None, "NC", "IO"]),
+        (cond, (True, n, w), [None, "NC", "IO"]),
+    ]
+    for f, args, want in cases:
+        prog = T.infer_layouts()(jaxq.trace(f, *args))
+        got = [prog.layouts.get(v) for v in prog.jaxpr.jaxpr.invars]
+        assert got == want, f.__name__

@@ -3,8 +3,11 @@
 import dataclasses
 import re
 
+import jax
+import numpy as np
 import pytest
 
+import jaxq
 from jaxq.quantize import QConfig, Rule, Scheme
 
 
@@ -116,3 +119,47 @@ def test_short_summary():
     assert Scheme().short() == "int8 sym tensor"
     s = Scheme(bits=4, signed=False, symmetric=False, granularity="group", group_size=32)
     assert s.short() == "uint4 asym group(32)"
+
+
+def test_a_rules_scheme_takes_the_fields_it_leaves_out_from_the_configs():
+    (rule,) = QConfig(rules=(Rule(weights=Scheme(bits=4), activations=Scheme(bits=6)),)).rules
+    assert rule.weights == Scheme(bits=4, granularity="channel", narrow_range=True)
+    assert rule.activations == Scheme(bits=6, symmetric=False)
+    assert Scheme(bits=4).granularity == "tensor"  # outside a rule: Scheme's own defaults
+    # granularity and group_size travel together
+    grouped = Scheme(granularity="group", group_size=32)
+    rules = (Rule(weights=Scheme(granularity="channel")), Rule(weights=Scheme(bits=4)))
+    a, b = QConfig(weights=grouped, rules=rules).rules
+    assert (a.weights.granularity, a.weights.group_size) == ("channel", None)
+    assert (b.weights.granularity, b.weights.group_size) == ("group", 32)
+    # a new config inherits afresh; explicit fields stay
+    c = dataclasses.replace(QConfig(rules=rules), weights=Scheme(bits=6, symmetric=False))
+    assert c.rules[1].weights == Scheme(bits=4, symmetric=False)
+    # weights only: a rule's activation scheme has nothing to inherit from
+    (w_only,) = QConfig(activations=None, rules=(Rule(activations=Scheme(bits=4)),)).rules
+    assert w_only.activations == Scheme(bits=4)
+
+
+def test_an_inherited_field_that_invalidates_a_rules_scheme_is_named():
+    with pytest.raises(ValueError, match=re.escape("leaves no code for zero")) as err:
+        QConfig(rules=(Rule(weights=Scheme(signed=False)),))
+    assert str(err.value).startswith(
+        "QConfig: rules[0].weights takes the fields it leaves out (bits, symmetric, granularity, "
+        "group_size, narrow_range, rounding) from QConfig.weights (int8 sym channel narrow)"
+    )
+    (rule,) = QConfig(rules=(Rule(weights=Scheme(signed=False, narrow_range=False)),)).rules
+    assert rule.weights == Scheme(signed=False, granularity="channel")
+
+
+def test_a_rule_with_bits_only_quantizes_per_channel_end_to_end():
+    w = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    x = np.ones((2, 8), np.float32)
+
+    def f(x):
+        with jax.named_scope("Dense_0"):
+            return x @ w
+
+    config = QConfig(rules=(Rule(pattern="Dense_0", weights=Scheme(bits=4)),))
+    qf = jaxq.quantize(f, calibration=[(x,)], config=config, progress=False)
+    (layer,) = qf.report().layers
+    assert (layer.weights, layer.rule) == ("int4 sym channel narrow", 0)

@@ -478,7 +478,9 @@ def test_pass_through_ops_stay_in_the_integer_domain():
 
 
 def test_rule_quantizes_a_bias_add_weights_only():
-    rules = (Rule(pattern="Dense_0", primitives={"add"}, weights=Scheme(bits=8)),)
+    # one scale for the bias: a rule's scheme would otherwise take per-channel from the config's
+    bias = Scheme(bits=8, granularity="tensor", narrow_range=False)
+    rules = (Rule(pattern="Dense_0", primitives={"add"}, weights=bias),)
     r, s = both(mlp, [(X,)], QConfig(rules=rules))
     rows = {row.name: row for row in r.report().layers}
     assert rows["MLP/Dense_0/add"].weights == "int8 sym tensor"

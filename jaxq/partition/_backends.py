@@ -189,12 +189,6 @@ HOST_RULES: dict[str, Callable[..., Any]] = {
     "copy": np.copy,
     "copy_p": np.copy,
 }
-_INLINE = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-}
 _PARAMS = {
     "dot_general",
     "broadcast_in_dim",
@@ -213,12 +207,11 @@ _POSITIONAL = {"integer_pow": "y"}
 def unsupported_host_primitives(jaxpr: C.Jaxpr) -> set[str]:
     bad: set[str] = set()
     for e in jaxpr.eqns:
-        name = e.primitive.name
-        if name in _INLINE:
-            sub = e.params[_INLINE[name]]
-            bad |= unsupported_host_primitives(sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub)
-        elif name not in HOST_RULES:
-            bad.add(name)
+        body = C.inline_body(e)
+        if body is not None:
+            bad |= unsupported_host_primitives(body.jaxpr)
+        elif e.primitive.name not in HOST_RULES:
+            bad.add(e.primitive.name)
     return bad
 
 
@@ -236,9 +229,9 @@ def eval_host(jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
     for e in jaxpr.eqns:
         name = e.primitive.name
         ins = [read(a) for a in e.invars]
-        if name in _INLINE:
-            sub = C.as_closed(e.params[_INLINE[name]])
-            outs = eval_host(sub.jaxpr, sub.consts, ins)
+        body = C.inline_body(e)
+        if body is not None:
+            outs = eval_host(body.jaxpr, body.consts, ins)
         else:
             rule = HOST_RULES[name]
             if name in _PARAMS:

@@ -73,13 +73,13 @@ def build(
         env.update(zip(jaxpr.invars, args, strict=True))
         for eqn in jaxpr.eqns:
             invals = [C.read_atom(v, env) for v in eqn.invars]
-            name = eqn.params.get("name") if C.is_call_eqn(eqn) else None
+            name = C.call_name(eqn)
             if name in runners:
                 outs = list(runners[name](*invals))
             elif name in segments:
                 outs = list(segments[name](*invals))
             elif C.is_call_eqn(eqn) and _holds_region(eqn, runners):
-                sub = eqn.params["jaxpr"]
+                sub = C.call_body(eqn)
                 outs = interp(sub.jaxpr, sub.consts, invals)
             else:
                 with C.eqn_context(eqn):
@@ -89,11 +89,9 @@ def build(
 
     segments: dict[str, Callable[..., Any]] = {}
     for eqn in closed.jaxpr.eqns:
-        name = eqn.params.get("name") if C.is_call_eqn(eqn) else None
+        name = C.call_name(eqn)
         if name is not None and name in placement:
-            segments[name] = _segment_runner(
-                eqn.params["jaxpr"], device_of(placement[name]), interp
-            )
+            segments[name] = _segment_runner(C.call_body(eqn), device_of(placement[name]), interp)
 
     def flat_run(*flat: Any) -> list[Any]:
         return interp(closed.jaxpr, closed.consts, flat)
@@ -111,8 +109,8 @@ def build(
 
 def _holds_region(eqn: C.JaxprEqn, runners: Mapping[str, Any]) -> bool:
     return any(
-        C.is_call_eqn(e) and (e.params.get("name") in runners or _holds_region(e, runners))
-        for e in eqn.params["jaxpr"].jaxpr.eqns
+        C.is_call_eqn(e) and (C.call_name(e) in runners or _holds_region(e, runners))
+        for e in C.call_body(eqn).jaxpr.eqns
     )
 
 

@@ -30,12 +30,6 @@ _BINARY = {
     "pow": "Pow", "gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual",
     "eq": "Equal",
 }  # fmt: skip
-_INLINE = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-}
 _OTHER = {
     "dot_general", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
@@ -47,8 +41,9 @@ def unsupported_onnx_primitives(jaxpr: C.Jaxpr) -> set[str]:
     bad: set[str] = set()
     for e in jaxpr.eqns:
         name = e.primitive.name
-        if name in _INLINE:
-            bad |= unsupported_onnx_primitives(C.as_closed(e.params[_INLINE[name]]).jaxpr)
+        body = C.inline_body(e)
+        if body is not None:
+            bad |= unsupported_onnx_primitives(body.jaxpr)
         elif name not in _UNARY and name not in _BINARY and name not in _OTHER:
             bad.add(name)
         elif name == "select_n" and len(e.invars) != 3:
@@ -98,9 +93,9 @@ class _Exporter:
     def eqn(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         name, p = e.primitive.name, e.params
         out_aval = shaped_aval(e.outvars[0])
-        if name in _INLINE:
-            sub = C.as_closed(p[_INLINE[name]])
-            return self.run(sub.jaxpr, sub.consts, ins)
+        body = C.inline_body(e)
+        if body is not None:
+            return self.run(body.jaxpr, body.consts, ins)
         if name in _UNARY:
             return self.node(_UNARY[name], ins)
         if name in _BINARY:

@@ -200,16 +200,16 @@ def regions(program: Program) -> list[RegionInfo]:
 
     def visit(jaxpr: C.Jaxpr, top: int | None) -> None:
         for i, eqn in enumerate(jaxpr.eqns):
-            if not C.is_call_eqn(eqn):
+            name = C.call_name(eqn)
+            if name is None:
                 continue
             here = i if top is None else top
-            name: str = eqn.params["name"]  # every jit equation is named
             if known is not None:
                 compiler = known.get(name)
             else:
                 m = pattern.fullmatch(name) if pattern is not None else None
                 compiler = m.group("c") if m else None
-            sub = eqn.params["jaxpr"]
+            sub = C.call_body(eqn)
             if compiler is None:
                 visit(sub.jaxpr, here)  # a device segment (or a user's jit) may hold regions
                 continue
@@ -231,5 +231,5 @@ def regions(program: Program) -> list[RegionInfo]:
 
 def _label(eqn: C.JaxprEqn) -> str:
     """A primitive's name; a composite (a jit named ``"<compiler>.<pattern>"``) by its name."""
-    name = eqn.params.get("name", "") if C.is_call_eqn(eqn) else ""
+    name = C.call_name(eqn) or ""
     return name if "." in name else eqn.primitive.name

@@ -72,9 +72,9 @@ def plan_devices(default: Any = None) -> Pass:
                     d = next((need[v] for v in e.outvars if v in need), None)
             dev[i] = d
             if d is not None:
-                for v in e.invars:
-                    if not C.is_literal(v):
-                        need[v] = d  # earlier consumers overwrite: the first one wins
+                for a in e.invars:
+                    if not C.is_literal(a):
+                        need[a] = d  # earlier consumers overwrite: the first one wins
         for i, e in enumerate(eqns):
             if dev[i] is None:
                 src = next(
@@ -160,14 +160,14 @@ def _segments(
     exported: set[Any] = set()
     for k, (_, idx) in enumerate(runs):
         for i in idx:
-            for v in eqns[i].invars:
-                v = sub(v)
-                if not C.is_literal(v) and seg_of.get(v, k) != k:
-                    exported.add(v)
-    for v in jaxpr.outvars:
-        v = sub(v)
-        if not C.is_literal(v) and v in seg_of:
-            exported.add(v)
+            for a in eqns[i].invars:
+                a = sub(a)
+                if not C.is_literal(a) and seg_of.get(a, k) != k:
+                    exported.add(a)
+    for a in jaxpr.outvars:
+        a = sub(a)
+        if not C.is_literal(a) and a in seg_of:
+            exported.add(a)
 
     outer_of: dict[Any, Any] = {}  # value computed in a segment -> the call's result outside
     where: dict[Any, str] = {}  # outside value -> its device (inputs and constants: home)
@@ -186,20 +186,20 @@ def _segments(
         for i in idx:
             e = eqns[i]
             new_in = []
-            for v in e.invars:
-                v = sub(v)
-                if C.is_literal(v) or v in defined:
-                    new_in.append(v)
+            for a in e.invars:
+                a = sub(a)
+                if C.is_literal(a) or a in defined:
+                    new_in.append(a)
                     continue
-                p = param.get(v)
+                p = param.get(a)
                 if p is None:
-                    p = param[v] = C.new_var(v.aval)
+                    p = param[a] = C.new_var(a.aval)
                     inner_in.append(p)
-                    src = outer_of.get(v, v)
+                    src = outer_of.get(a, a)
                     if where.get(src, home) != d:  # an explicit copy to this segment's device
                         key = (src, d)
                         if key not in copies:
-                            copies[key] = C.new_var(v.aval)
+                            copies[key] = C.new_var(a.aval)
                             out.append(C.make_device_put_eqn(src, copies[key], target, e))
                             where[copies[key]] = d
                         src = copies[key]
@@ -217,9 +217,9 @@ def _segments(
         inner = C.make_jaxpr([], inner_in, results, body, name)
         out.append(C.make_call_eqn(C.ClosedJaxpr(inner, []), outer_in, outer_out, name, body[0]))
     outvars = []
-    for v in jaxpr.outvars:
-        v = sub(v)
-        outvars.append(v if C.is_literal(v) else outer_of.get(v, v))
+    for a in jaxpr.outvars:
+        a = sub(a)
+        outvars.append(a if C.is_literal(a) else outer_of.get(a, a))
     new = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
     meta = {**program.meta, META_KEY: types.MappingProxyType(placement)}
     return program.with_jaxpr(new, meta=types.MappingProxyType(meta))

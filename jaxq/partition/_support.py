@@ -124,9 +124,9 @@ def _record(eqn: C.JaxprEqn) -> Equation:
 def composite_compiler(eqn: C.JaxprEqn) -> str | None:
     """The compiler a composite call is meant for (``"dnnl"`` for a jit named
     ``"dnnl.conv_relu"``), else None."""
-    if not C.is_call_eqn(eqn):
+    name = C.call_name(eqn)
+    if name is None:
         return None
-    name = eqn.params.get("name", "")
     head, dot, _ = name.partition(".")
     return head if dot and head else None
 

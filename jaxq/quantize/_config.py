@@ -17,6 +17,23 @@ INHERIT: Any = ...
 """``Rule(weights=...)``: the rule keeps the QConfig's scheme for that side."""
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_UNSET: Any = _Unset()
+_SCHEME_DEFAULTS: dict[str, Any] = {
+    "bits": 8,
+    "signed": True,
+    "symmetric": True,
+    "granularity": "tensor",
+    "group_size": None,
+    "narrow_range": False,
+    "rounding": "nearest_even",
+}
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -35,17 +52,31 @@ class Scheme:
         ``"token"`` (activations, computed at run time: needs ``QConfig(dynamic=True)``).
       narrow_range: drop the lowest code (``[-127, 127]`` for signed 8 bits).
       rounding: ``"nearest_even"``, ``"half_away_from_zero"``, ``"half_up"`` or ``"floor"``.
+
+    Fields left out take the defaults ``bits=8, signed=True, symmetric=True,
+    granularity="tensor", narrow_range=False, rounding="nearest_even"``, except in a
+    :class:`Rule`, where they come from the QConfig's scheme for that side: under the default
+    config ``Rule(weights=Scheme(bits=4))`` means 4-bit per-channel narrow-range weights.
+    (``granularity`` and ``group_size`` go together: setting either sets both.)
     """
 
-    bits: int = 8
-    signed: bool = True
-    symmetric: bool = True
-    granularity: str = "tensor"
-    group_size: int | None = None
-    narrow_range: bool = False
-    rounding: str = "nearest_even"
+    bits: int = _UNSET
+    signed: bool = _UNSET
+    symmetric: bool = _UNSET
+    granularity: str = _UNSET
+    group_size: int | None = _UNSET
+    narrow_range: bool = _UNSET
+    rounding: str = _UNSET
+    _given: frozenset[str] = dataclasses.field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
+    """The fields the caller set; the others are inherited inside a Rule."""
 
     def __post_init__(self) -> None:
+        given = frozenset(f for f in _SCHEME_DEFAULTS if getattr(self, f) is not _UNSET)
+        for f in _SCHEME_DEFAULTS.keys() - given:
+            object.__setattr__(self, f, _SCHEME_DEFAULTS[f])
+        object.__setattr__(self, "_given", given)
         if not _is_int(self.bits):
             raise TypeError(f"Scheme: bits must be an int; got {self.bits!r}")
         if not 2 <= self.bits <= 16:
@@ -84,6 +115,17 @@ class Scheme:
         lo = -(2 ** (self.bits - 1)) if self.signed else 0
         hi = 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
         return lo + int(self.narrow_range), hi
+
+    def inherit(self, base: Scheme) -> Scheme:
+        """This scheme with the fields it was not given taken from ``base`` (what a Rule's scheme
+        means: an override of the QConfig's)."""
+        own = set(self._given)
+        if own & {"granularity", "group_size"}:
+            own |= {"granularity", "group_size"}
+        values = {f: getattr(self if f in own else base, f) for f in _SCHEME_DEFAULTS}
+        out = Scheme(**values)
+        object.__setattr__(out, "_given", self._given)  # inheriting again starts from the same
+        return out
 
     def short(self) -> str:
         """``int8 sym channel`` style summary for reports."""
@@ -220,7 +262,8 @@ class QConfig:
             isinstance(r, Rule) for r in (self.rules if hasattr(self.rules, "__iter__") else [1])
         ):
             raise TypeError(f"QConfig: rules must be a sequence of Rule; got {self.rules!r}")
-        object.__setattr__(self, "rules", tuple(self.rules))
+        rules = tuple(self._inherit(i, r) for i, r in enumerate(self.rules))
+        object.__setattr__(self, "rules", rules)
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"QConfig: dynamic must be a bool; got {self.dynamic!r}")
         if self.weight_calibration not in WEIGHT_CALIBRATIONS:
@@ -250,6 +293,24 @@ class QConfig:
                 check_weights(r.weights, f"QConfig: rules[{i}]")
             if isinstance(r.activations, Scheme):
                 check_activations(r.activations, self.dynamic, f"QConfig: rules[{i}]")
+
+    def _inherit(self, i: int, rule: Rule) -> Rule:
+        """``rule`` with the fields its schemes leave out taken from this config's schemes."""
+        changes: dict[str, Any] = {}
+        for side in ("weights", "activations"):
+            mine, base = getattr(rule, side), getattr(self, side)
+            if not isinstance(mine, Scheme) or base is None:
+                continue
+            try:
+                changes[side] = mine.inherit(base)
+            except ValueError as e:
+                unset = ", ".join(f for f in _SCHEME_DEFAULTS if f not in mine._given)
+                raise ValueError(
+                    f"QConfig: rules[{i}].{side} takes the fields it leaves out ({unset}) from "
+                    f"QConfig.{side} ({base.short()}), which makes it invalid: {e}. Set those "
+                    "fields in the rule's Scheme."
+                ) from e
+        return dataclasses.replace(rule, **changes) if changes else rule
 
 
 def check_weights(s: Scheme, where: str) -> None:

@@ -130,7 +130,7 @@ class Observer:
         nb = len(ah)
         levels = 2 ** (scheme.bits - 1) if scheme.signed or scheme.symmetric else 2**scheme.bits
         levels = min(levels, nb)
-        last = int(np.nonzero(ah)[0].max()) + 1
+        last = int(np.flatnonzero(ah)[-1]) + 1  # the last nonempty bin
         if last <= levels:
             return last * self._radius() / nb
         best, best_i = math.inf, last

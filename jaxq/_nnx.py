@@ -1,0 +1,108 @@
+"""Flax NNX module paths as name scopes, so NNX layers get stable names as linen layers do.
+
+Flax linen pushes each module's name onto JAX's name stack, which is where jaxq's names come from
+(``CNN/Dense_0/dot_general``). NNX modules push nothing, so every matmul of an NNX model would be
+``dot_general``, ``dot_general_1``, ... While :func:`module_scopes` is active, calling a module of
+the given graph runs under a named scope: its attribute path from the calling module, its class name
+at the root (``MLP/dense1/dot_general``, ``MLP/blocks/0/dot_general``). Flax is imported only when
+asked for; jaxq does not depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+Path = tuple[Any, ...]
+
+
+class _Active:
+    """The paths of one module graph (by object id) and the modules being called, innermost last."""
+
+    def __init__(self, paths: dict[int, Path]) -> None:
+        self.paths = paths
+        self.calls: list[Path] = []
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
+    "jaxq_nnx_scopes", default=None
+)
+
+
+def is_nnx_module(obj: Any) -> bool:
+    """Whether ``obj`` is a Flax NNX module (without importing flax when it is not loaded)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
+def _scoped(call: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(call)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        active = _ACTIVE.get()
+        path = None if active is None else active.paths.get(id(self))
+        # a module outside the graph, or a subclass's __call__ calling its base's: no new scope
+        if active is None or path is None or (active.calls and active.calls[-1] == path):
+            return call(self, *args, **kwargs)
+        outer = active.calls[-1] if active.calls else None
+        rel = path[len(outer) :] if outer is not None and path[: len(outer)] == outer else path
+        active.calls.append(path)
+        try:
+            with jax.named_scope("/".join(map(str, rel)) or type(self).__name__):
+                return call(self, *args, **kwargs)
+        finally:
+            active.calls.pop()
+
+    wrapper._jaxq_scoped = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+@contextlib.contextmanager
+def module_scopes(module: Any) -> Iterator[None]:
+    """While active, each module of ``module``'s graph called through ``__call__`` runs under a
+    JAX named scope of its path, so traced equations get names such as ``MLP/dense1/dot_general``.
+
+    ``jaxq.trace(model, x)`` does this by itself for an NNX module; use this around ``jaxq.trace``
+    or ``jaxq.quantize`` when the function only closes over the model::
+
+        with jaxq.module_scopes(model):
+            program = jaxq.trace(lambda x: model(x), x)
+
+    Only ``__call__`` is scoped; a module reached through another method is named under its caller.
+    """
+    try:
+        from flax import nnx
+    except ImportError as e:
+        raise ImportError("jaxq.module_scopes needs Flax NNX: pip install flax") from e
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"jaxq.module_scopes: expected a flax.nnx.Module; got {type(module).__name__}"
+        )
+    paths: dict[int, Path] = {}
+    classes: dict[type, None] = {}  # in graph order, for a deterministic patch / restore order
+    for path, m in nnx.iter_modules(module):
+        paths.setdefault(id(m), tuple(path))
+        classes.setdefault(type(m))
+    patched: list[tuple[type, bool, Callable[..., Any]]] = []
+    for cls in classes:
+        call = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
+        if call is None or getattr(call, "_jaxq_scoped", False):
+            continue
+        patched.append((cls, "__call__" in cls.__dict__, call))
+        # setattr: mypy rejects assigning to a method
+        setattr(cls, "__call__", _scoped(call))  # noqa: B010
+    token = _ACTIVE.set(_Active(paths))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        for cls, own, call in reversed(patched):
+            if own:
+                setattr(cls, "__call__", call)  # noqa: B010
+            else:
+                delattr(cls, "__call__")

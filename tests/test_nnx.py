@@ -1,0 +1,77 @@
+"""Flax NNX models get module-path names, as linen models do (skipped without flax)."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxq
+
+nnx = pytest.importorskip("flax.nnx")
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.inner = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.inner(x))
+
+
+class Wide(nnx.Linear):
+    def __call__(self, x):  # a subclass calling its base: still one scope
+        return super().__call__(x) * 2.0
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        self.block = Block(rngs)
+        self.head = Wide(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.block(self.dense(x))
+        x = self.block.inner(x)  # a grandchild called from the root
+        return self.head(x)
+
+
+X = np.ones((2, 3), np.float32)
+SCOPED = [
+    "MLP/dense/dot_general",
+    "MLP/block/inner/dot_general",
+    "MLP/block/inner/dot_general_1",
+    "MLP/head/dot_general",
+]
+
+
+def dots(program):
+    return [e.name for e in program.equations() if e.primitive == "dot_general"]
+
+
+def test_tracing_an_nnx_module_names_layers_by_module_path():
+    model = MLP(nnx.Rngs(0))
+    program = jaxq.trace(model, X)
+    assert dots(program) == SCOPED
+    np.testing.assert_allclose(program(X), model(X), rtol=1e-6)
+
+
+def test_module_scopes_names_a_closure_and_restores_the_classes():
+    model = MLP(nnx.Rngs(0))
+    before = {cls: cls.__dict__.get("__call__") for cls in (MLP, Block, Wide, nnx.Linear)}
+    with jaxq.module_scopes(model):
+        assert dots(jaxq.trace(lambda x: model(x), X)) == SCOPED
+    assert {cls: cls.__dict__.get("__call__") for cls in before} == before
+    unscoped = ["dot_general", "dot_general_1", "dot_general_2", "dot_general_3"]
+    assert dots(jaxq.trace(lambda x: model(x), X)) == unscoped
+
+
+def test_module_scopes_needs_an_nnx_module():
+    with (
+        pytest.raises(TypeError, match="expected a flax.nnx.Module; got function"),
+        jaxq.module_scopes(lambda x: x),
+    ):
+        pass
+
+
+def test_quantizing_an_nnx_module_reports_layers_by_module_path():
+    qf = jaxq.quantize(MLP(nnx.Rngs(0)), calibration=[(X,)], progress=False)
+    assert [layer.name for layer in qf.report().layers] == SCOPED
