@@ -25,12 +25,7 @@ PRIVATE = re.compile(
 
 # Known uses outside _compat.py, each (file, token): why it is still there. Remove an entry with
 # the use; an entry whose use is gone fails the test, so this list cannot go stale.
-ALLOWED = {
-    ("quantize/_lower.py", "call_jaxpr"): (
-        "being rewritten on another branch (issue 16): replace eqn.params['call_jaxpr'] with "
-        "C.inline_body(eqn)"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def offences(text: str) -> list[tuple[int, str]]:

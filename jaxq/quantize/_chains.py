@@ -88,10 +88,8 @@ def passthrough_input(eqn: C.JaxprEqn) -> int | None:
     if prim == "max" and any(_is_zero(v) for v in eqn.invars):
         return data[0]
     if prim == "custom_jvp_call":
-        body = eqn.params["call_jaxpr"]
-        return (
-            data[0] if _relu_body(body.jaxpr if isinstance(body, C.ClosedJaxpr) else body) else None
-        )
+        body = C.inline_body(eqn)
+        return data[0] if body is not None and _relu_body(body.jaxpr) else None
     return None
 
 
