@@ -420,3 +420,27 @@ def test_convolution_params_equal_closure_style(wsym, padding):
     np.testing.assert_array_equal(
         np.asarray(jax.jit(qf.apply)(qf.params, imgs)), np.asarray(jax.jit(closure)(imgs))
     )
+
+
+@settings(max_examples=8, deadline=None)
+@given(param_models())
+def test_random_param_pytrees_get_straight_through_gradients(case):
+    """QAT: the gradient of the simulated function with respect to every param equals that of
+    the same program with each quantizer written as ``x + stop_gradient(q(x) - x)``."""
+    f, params, x = case
+    qs = Q(f, params, calibration=[(x,)], mode="simulate", progress=False)
+    program = qs.specialize(x)
+
+    def ste(visit, v, *rest):
+        return v + jax.lax.stop_gradient(visit.bind(v, *rest) - v)
+
+    reference = rewrite(program, {"simulated_quantize": ste}).as_fun()
+    loss = lambda fun: lambda p: jnp.sum(jnp.sin(fun(p, x)))
+    got = jax.grad(loss(qs.apply))(params)
+    want = jax.grad(loss(reference))(params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5),
+        got,
+        want,
+    )
+    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(got))
