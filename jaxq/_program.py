@@ -165,11 +165,12 @@ class Program:
             new = dataclasses.replace(new, layouts=layout_map(jaxpr))
         return new
 
-    def save(self, path: Any) -> Any:
-        """Write the program and its constants to one safetensors file (see ``jaxq.load``)."""
+    def save(self, path: Any, names: Mapping[int, str] | None = None) -> Any:
+        """Write the program and its constants to one safetensors file (see ``jaxq.load``);
+        ``names`` gives some constants (by index) readable tensor names."""
         from jaxq._serialize import save  # the serializer builds on Program: import at use
 
-        return save(self, path)
+        return save(self, path, names)
 
     def __str__(self) -> str:
         from jaxq._printer import format_program  # the printer reads Programs: import at use

@@ -10,16 +10,18 @@ the target, so an existing file is never left half-written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import tempfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
@@ -51,7 +53,7 @@ def _as_storable(x: Any) -> tuple[np.ndarray, str]:
     name = arr.dtype.name
     if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
         arr = arr.view(np.dtype(f"uint{8 * arr.dtype.itemsize}"))
-    return np.ascontiguousarray(arr), name
+    return np.ascontiguousarray(arr).reshape(arr.shape), name  # (0-d stays 0-d)
 
 
 def _digest(exported: bytes, tensors: dict[str, np.ndarray], manifest: dict[str, Any]) -> str:
@@ -63,8 +65,12 @@ def _digest(exported: bytes, tensors: dict[str, np.ndarray], manifest: dict[str,
     return h.hexdigest()
 
 
-def save(program: Program, path: str | os.PathLike[str]) -> Path:
-    """Write ``program`` to ``path`` (a single ``.jaxq`` safetensors file), atomically."""
+def save(
+    program: Program, path: str | os.PathLike[str], names: Mapping[int, str] | None = None
+) -> Path:
+    """Write ``program`` to ``path`` (a single ``.jaxq`` safetensors file), atomically.
+    ``names``: tensor names for some constants, by index (e.g. the param paths of quantized
+    weights, ``Dense_0/kernel.codes``); the others are ``const_00000``..."""
     from jaxq import __version__
 
     st = _safetensors()
@@ -85,10 +91,14 @@ def save(program: Program, path: str | os.PathLike[str]) -> Path:
         program.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     )
     exported = bytes(jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize())
-    tensors, dtypes = {}, []
+    tensors, dtypes, keys = {}, [], []
     for i, c in enumerate(consts):
-        tensors[f"const_{i:05d}"], dtype = _as_storable(c)
+        key = (names or {}).get(i) or f"const_{i:05d}"
+        if key in tensors or key == _PROGRAM:
+            key = f"const_{i:05d}"
+        tensors[key], dtype = _as_storable(c)
         dtypes.append(dtype)
+        keys.append(key)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -97,6 +107,7 @@ def save(program: Program, path: str | os.PathLike[str]) -> Path:
         "name": program.name,
         "in_paths": list(program.in_paths),
         "const_dtypes": dtypes,
+        "const_names": keys,
     }
     digest = _digest(exported, tensors, manifest)
     tensors[_PROGRAM] = np.frombuffer(zlib.compress(exported, 9), np.uint8)
@@ -124,7 +135,39 @@ class LoadedProgram:
         self.name: str = manifest["name"]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.exported.call(self.consts, args, kwargs)
+        (_, want_args, want_kwargs), _ = jax.tree.unflatten(
+            self.exported.in_tree, list(self.exported.in_avals)
+        )
+        flat, tree = jax.tree.flatten((args, kwargs))
+        want, want_tree = jax.tree.flatten((tuple(want_args), want_kwargs))
+        if str(tree) != str(want_tree):
+            raise TypeError(
+                f"{self.name}: called with arguments of another structure than it was saved with "
+                f"({want_tree})"
+            )
+        bad = [
+            f"  {p}: saved for {w.str_short()}, got {jnp.result_type(x).name}{list(np.shape(x))}"
+            for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
+            if tuple(np.shape(x)) != tuple(w.shape)
+        ]
+        if bad:
+            raise TypeError(
+                f"{self.name}: a saved program runs at the shapes it was saved at (its batch "
+                "dimension is fixed):\n" + "\n".join(bad) + "\nSave the model again at the "
+                "shape you need (e.g. qf.specialize(x) for a QuantizedFunction, or "
+                "jaxq.trace(f, x).save(path)), or pad the batch to the saved size."
+            )
+        if kwargs:
+            return self.exported.call(self.consts, args, kwargs)
+        return self._call(*args)
+
+    @functools.cached_property
+    def _call(self) -> Callable[..., Any]:
+        """The exported call, with a vmap rule: one call per example, in a loop (an exported
+        program has no batching rule of its own)."""
+        return jax.custom_batching.sequential_vmap(
+            lambda *args: self.exported.call(self.consts, args, {})
+        )
 
     def as_fun(self) -> Callable[..., Any]:
         return self.__call__
@@ -177,8 +220,9 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
     if _digest(exported_bytes, tensors, manifest) != metadata.get("jaxq.sha256"):
         raise LoadError(f"jaxq.load: {path} is corrupted: its checksum does not match its contents")
     consts = []
-    for i, dtype in enumerate(manifest["const_dtypes"]):
-        arr = tensors[f"const_{i:05d}"]
+    keys = manifest.get("const_names") or [f"const_{i:05d}" for i in range(len(tensors))]
+    for key, dtype in zip(keys, manifest["const_dtypes"], strict=True):
+        arr = tensors[key]
         consts.append(arr.view(jax.numpy.dtype(dtype)) if arr.dtype.name != dtype else arr)
     exported = jax.export.deserialize(bytearray(exported_bytes))
     return LoadedProgram(exported, consts, manifest)

@@ -444,3 +444,21 @@ def test_random_param_pytrees_get_straight_through_gradients(case):
         want,
     )
     assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(got))
+
+
+def test_saved_file_names_tensors_by_param_path_and_loads_under_vmap(tmp_path):
+    from safetensors import safe_open
+
+    qf = realized()
+    path = qf.save(tmp_path / "model.jaxq")
+    with safe_open(str(path), framework="numpy") as fh:
+        keys = set(fh.keys())
+    assert {"dense/0/kernel.codes", "dense/0/kernel.scale", "head/kernel.codes"} <= keys
+    loaded = jaxq.load(path)
+    np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(jax.jit(qf)(X)))
+    batched = np.asarray(jax.vmap(loaded)(np.stack([X, X * 0.5])))
+    np.testing.assert_array_equal(batched[1], np.asarray(jax.jit(qf)(X * 0.5)))
+    with pytest.raises(
+        TypeError, match=r"args\[0\]: saved for float32\[6,12\], got float32\[3, 12\]"
+    ):
+        loaded(X[:3])

@@ -340,11 +340,29 @@ class QuantizedFunction:
             return self.apply(params, *a, **k)
 
         fun.__name__ = self.__name__
-        return trace(fun, *specs(tuple(args[1:])), **specs(kwargs)).save(path)
+        program = trace(fun, *specs(tuple(args[1:])), **specs(kwargs))
+        # tensors named by their param paths: Dense_0/kernel.codes
+        by_id = {
+            id(leaf): _tensor_name(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
+        names = {i: by_id[id(c)] for i, c in enumerate(program.jaxpr.consts) if id(c) in by_id}
+        return program.save(path, names)
 
     def __repr__(self) -> str:
         style = " params" if self._with_params else ""
         return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}{style}>"
+
+
+def _tensor_name(path: tuple[Any, ...]) -> str:
+    """A param path as a tensor name: ``Dense_0/kernel.codes``."""
+    name = ""
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            name += f".{k.name}"
+        else:
+            part = k.key if isinstance(k, jax.tree_util.DictKey) else getattr(k, "idx", k)
+            name += f"/{part}" if name else str(part)
+    return name
 
 
 def _no_derivative(fun: Callable[..., Any]) -> Callable[..., Any]:

@@ -187,7 +187,7 @@ def to_qarray(
         scale = to_leaf(np.asarray(scale, np.float32), plan.chain).reshape(plan.scale_shape())
         zp = to_leaf(np.asarray(zp, np.int32), plan.chain).reshape(plan.scale_shape())
     return QArray(
-        pack_int4(codes) if s.bits <= 4 else codes,
+        jnp.asarray(pack_int4(codes) if s.bits <= 4 else codes),
         jnp.asarray(scale),
         None if s.symmetric else jnp.asarray(zp),
         shape=plan.shape,
