@@ -189,13 +189,14 @@ def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
     operand already in int8. Quantization would turn those values into finite codes, so both
     modes make those outputs NaN, and no other output changes."""
     if hasattr(a, "bad"):  # int8 codes from a pass-through chain: the mask it carried
-        bad = a.bad
-        if bad is None or np.ndim(bad) == 0:
-            return bad
+        mask = a.bad
+        if mask is None or np.ndim(mask) == 0:
+            return mask
+        reduce = lambda axes, keep: jnp.any(mask, axis=axes, keepdims=keep)
     elif not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
         return None
-    else:
-        bad = ~jnp.isfinite(a)
+    else:  # max |a| is NaN or Inf exactly where a row holds one (XLA's max propagates NaN)
+        reduce = lambda axes, keep: ~jnp.isfinite(jnp.max(jnp.abs(a), axis=axes, keepdims=keep))
     if site.primitive == "dot_general":
         dn = visit.params["dimension_numbers"]
         ai = 1 - site.weight_index
@@ -203,11 +204,12 @@ def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
             len(shaped_aval(visit.eqn.invars[0]).shape),
             len(shaped_aval(visit.eqn.invars[1]).shape),
         )
-        return dot_to_out(jnp.any(bad, axis=dn[0][ai], keepdims=True), ai, dn, ranks)
+        return dot_to_out(reduce(tuple(dn[0][ai]), True), ai, dn, ranks)
     if site.primitive == "conv_general_dilated":
         dn = visit.params["dimension_numbers"]
         n = dn.lhs_spec[0]
-        per_sample = jnp.any(bad, axis=tuple(d for d in range(bad.ndim) if d != n))
+        rank = len(dn.lhs_spec)
+        per_sample = reduce(tuple(d for d in range(rank) if d != n), False)
         shape = [1] * len(dn.out_spec)
         shape[dn.out_spec[0]] = -1
         return per_sample.reshape(shape)

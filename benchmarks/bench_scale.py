@@ -1,0 +1,176 @@
+"""Quantizing big models with params as arguments: time, peak memory, compile time, a run.
+
+Each model is a stack of transformer MLP blocks (``x + W2 gelu(W1 x)``) with random weights,
+written as ``f(params, x)`` over a params dict, as JAX users keep them. Every model runs in a fresh
+subprocess, so the peak RSS (``resource.getrusage``) is that model's alone. Compile times are of
+``jax.jit(f).lower(params, x).compile()`` (float) and ``jax.jit(qf.apply).lower(qf.params, x)
+.compile()`` (int8), both with the weights as arguments; run times are medians of calls timed
+round by round (float, int8, float, int8, ...) on the same input.
+
+Run: python benchmarks/bench_scale.py [--models small,large] [--config w8a8|w8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+MODELS = {
+    # name: (blocks, d_model, hidden, dtype)
+    "tiny": (2, 256, 512, "float32"),
+    "small": (4, 4096, 4096, "float32"),  # 8 x 4096^2 f32 = 512 MiB
+    "large": (36, 2048, 8192, "bfloat16"),  # 36 x 2 x 2048 x 8192 = 1.21 B params, 2.4 GB
+}
+GOALS = {"small": {"quantize_s": 10.0, "peak_rss_mb": 2048.0}, "compile_ratio": 1.5}
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def child(name: str, config: str, reps: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxq
+
+    blocks, d, hidden, dtype = MODELS[name]
+    rng = np.random.default_rng(0)
+    params = {}
+    for i in range(blocks):  # leaf by leaf: no float copy of the whole model besides params
+        params[f"block_{i}"] = {
+            "w1": jnp.asarray(rng.standard_normal((d, hidden), np.float32) / np.sqrt(d), dtype),
+            "w2": jnp.asarray(
+                rng.standard_normal((hidden, d), np.float32) / np.sqrt(hidden), dtype
+            ),
+        }
+
+    def f(params: dict[str, Any], x: jax.Array) -> jax.Array:
+        for i in range(len(params)):
+            with jax.named_scope(f"block_{i}"):
+                p = params[f"block_{i}"]
+                x = x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+        return x
+
+    n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
+    float_bytes = sum(v.nbytes for v in jax.tree.leaves(params))
+    x = jnp.asarray(rng.standard_normal((8, d), np.float32), dtype)
+    calib = [(jnp.asarray(rng.standard_normal((8, d), np.float32), dtype),) for _ in range(2)]
+    cfg = jaxq.QConfig() if config == "w8a8" else jaxq.QConfig(activations=None)
+    rss_before = rss_mb()
+    t0 = time.perf_counter()
+    qf = jaxq.quantize(f, params, calibration=calib, config=cfg, progress=False)
+    quantize_s = time.perf_counter() - t0
+    peak_quantize = rss_mb()
+    q_bytes = qf.report().param_bytes
+
+    t0 = time.perf_counter()
+    float_fn = jax.jit(f).lower(params, x).compile()
+    float_compile = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    int8_fn = jax.jit(qf.apply).lower(qf.params, x).compile()
+    int8_compile = time.perf_counter() - t0
+
+    y_f = np.asarray(float_fn(params, x), np.float32)
+    y_q = np.asarray(int8_fn(qf.params, x), np.float32)
+    times: dict[str, list[float]] = {"float": [], "int8": []}
+    for _ in range(reps):
+        for key, fn, p in (("float", float_fn, params), ("int8", int8_fn, qf.params)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(p, x))
+            times[key].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["float"], times["int8"], strict=True)]
+    return {
+        "model": name,
+        "config": config,
+        "params": n_params,
+        "dtype": dtype,
+        "float_mb": float_bytes / 2**20,
+        "quantized_mb": q_bytes / 2**20,
+        "quantize_s": quantize_s,
+        "rss_before_quantize_mb": rss_before,
+        "peak_rss_quantize_mb": peak_quantize,
+        "peak_rss_mb": rss_mb(),
+        "float_compile_s": float_compile,
+        "int8_compile_s": int8_compile,
+        "compile_ratio": int8_compile / float_compile,
+        "float_ms": 1e3 * statistics.median(times["float"]),
+        "int8_ms": 1e3 * statistics.median(times["int8"]),
+        "speedup": statistics.median(ratios),
+        "rel_error": float(np.abs(y_q - y_f).max() / np.abs(y_f).max()),
+    }
+
+
+def verdicts(row: dict[str, Any]) -> list[str]:
+    out = [
+        f"compile within {GOALS['compile_ratio']}x of float: "
+        f"{'met' if row['compile_ratio'] <= GOALS['compile_ratio'] else 'NOT met'}"
+    ]
+    goal = GOALS.get(row["model"])
+    if isinstance(goal, dict):
+        ok = (
+            row["quantize_s"] <= goal["quantize_s"]
+            and row["peak_rss_quantize_mb"] <= goal["peak_rss_mb"]
+        )
+        out.append(
+            f"quantize <= {goal['quantize_s']:.0f} s with peak RSS <= {goal['peak_rss_mb']:.0f} MB: "
+            f"{'met' if ok else 'NOT met'}"
+        )
+    if row["model"] == "large":
+        out.append("quantizes and runs on this machine: met")
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="small,large")
+    ap.add_argument("--model", help=argparse.SUPPRESS)  # (the subprocess's own job)
+    ap.add_argument("--config", choices=("w8a8", "w8"), default="w8a8")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.model:
+        print(json.dumps(child(args.model, args.config, args.reps)))
+        return []
+    rows = []
+    for name in args.models.split(","):
+        cmd = [sys.executable, __file__, "--model", name, "--config", args.config]
+        done = subprocess.run([*cmd, "--reps", str(args.reps)], capture_output=True, text=True)
+        if done.returncode:
+            print(f"{name}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    head = (
+        f"{'model':<7}{'params':>9}{'dtype':>10}{'float MB':>10}{'int8 MB':>9}{'quantize s':>12}"
+        f"{'peak RSS MB':>13}{'compile f/q s':>15}{'ratio':>7}{'run f/q ms':>15}{'speed':>7}"
+        f"{'rel err':>9}"
+    )
+    print(f"config {args.config}; weights are arguments of every compiled function\n{head}")
+    for r in rows:
+        print(
+            f"{r['model']:<7}{r['params'] / 1e9:>8.2f}B{r['dtype']:>10}{r['float_mb']:>10.0f}"
+            f"{r['quantized_mb']:>9.0f}{r['quantize_s']:>12.1f}{r['peak_rss_quantize_mb']:>13.0f}"
+            f"{r['float_compile_s']:>7.2f}/{r['int8_compile_s']:<7.2f}{r['compile_ratio']:>7.2f}"
+            f"{r['float_ms']:>7.1f}/{r['int8_ms']:<7.1f}{r['speedup']:>6.2f}x{r['rel_error']:>9.4f}"
+        )
+        for v in verdicts(r):
+            print(f"  {r['model']}: {v}")
+    print(
+        "(peak RSS: the process's peak at the end of quantize, params included; run: medians "
+        "of interleaved calls, 'speed' the median per-round float/int8 ratio)"
+    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
