@@ -112,6 +112,8 @@ class Program:
             shape, dtype = jnp.shape(x), _dtype_of(x)
             if isinstance(x, (int, float, bool, complex)) and shape == aval.shape:
                 x, dtype = jnp.asarray(x, aval.dtype), aval.dtype
+            elif dtype != aval.dtype and _canonical(dtype) == aval.dtype and shape == aval.shape:
+                x, dtype = jnp.asarray(x, aval.dtype), aval.dtype  # float64 -> float32, as jit
             if shape != aval.shape or dtype != aval.dtype:
                 got = f"{np.dtype(dtype).name}{list(shape)}"
                 bad.append(f"  {path}: expected {aval.str_short()}, got {got}")
@@ -180,6 +182,14 @@ class Program:
     def __repr__(self) -> str:
         n = len(self.jaxpr.in_avals)
         return f"<jaxq.Program: {len(self)} equations, {n} inputs, {len(self.jaxpr.out_avals)} outputs>"
+
+
+def _canonical(dtype: Any) -> Any:
+    """The dtype JAX computes in for ``dtype`` (float64 is float32 unless x64 is on)."""
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except TypeError:  # (extended dtypes such as typed PRNG keys)
+        return dtype
 
 
 def _dtype_of(x: Any) -> Any:

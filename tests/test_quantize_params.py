@@ -462,3 +462,12 @@ def test_saved_file_names_tensors_by_param_path_and_loads_under_vmap(tmp_path):
         TypeError, match=r"args\[0\]: saved for float32\[6,12\], got float32\[3, 12\]"
     ):
         loaded(X[:3])
+
+
+def test_float64_inputs_are_canonicalized_as_under_jit():
+    qf = realized()
+    x64 = X.astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(qf(x64)), np.asarray(qf(X)))
+    np.testing.assert_array_equal(
+        np.asarray(jaxq.trace(mlp, X)(x64)), np.asarray(jaxq.trace(mlp, X)(X))
+    )
