@@ -148,11 +148,60 @@ def _select_n(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
     )
 
 
+def _int_div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """XLA's integer division: truncates toward zero (Python's // floors); x / 0 = -1."""
+    x, y = np.broadcast_arrays(x, y)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        safe = np.where(y == 0, 1, y).astype(y.dtype)
+        q = (x - np.fmod(x, safe)) // safe  # exact: x - fmod(x, y) is a multiple of y
+    return np.where(y == 0, np.asarray(-1).astype(x.dtype), q).astype(x.dtype)
+
+
+def _div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.divide(x, y) if np.issubdtype(x.dtype, np.floating) else _int_div(x, y)
+
+
+def _rem(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """XLA's remainder: the sign of the dividend (C fmod); x % 0 = x for integers."""
+    if np.issubdtype(x.dtype, np.floating):
+        return np.fmod(x, y)
+    x, y = np.broadcast_arrays(x, y)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.fmod(x, np.where(y == 0, 1, y).astype(y.dtype))
+    return np.where(y == 0, x, r).astype(x.dtype)
+
+
+def _shift(kind: str) -> Callable[..., np.ndarray]:
+    """XLA's shifts: an amount outside [0, bits) shifts everything out (arithmetic right
+    shifts fill with the sign bit)."""
+
+    def shift(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        x, y = np.broadcast_arrays(x, y)
+        bits = 8 * x.dtype.itemsize
+        unsigned = np.dtype(f"uint{bits}")
+        out_of_range = (y.astype(np.int64) < 0) | (y.astype(np.int64) >= bits)
+        amount = np.where(out_of_range, 0, y).astype(unsigned)
+        if kind == "left":
+            out = (x.astype(unsigned) << amount).astype(x.dtype)
+            return np.where(out_of_range, 0, out).astype(x.dtype)
+        if kind == "logical":
+            out = (x.astype(unsigned) >> amount).astype(x.dtype)
+            return np.where(out_of_range, 0, out).astype(x.dtype)
+        out = x >> amount.astype(x.dtype)
+        return np.where(out_of_range, x >> (bits - 1), out).astype(x.dtype)
+
+    return shift
+
+
 HOST_RULES: dict[str, Callable[..., Any]] = {
     "add": np.add,
     "sub": np.subtract,
     "mul": np.multiply,
-    "div": lambda x, y: np.divide(x, y) if np.issubdtype(x.dtype, np.floating) else x // y,
+    "div": _div,
+    "rem": _rem,
+    "shift_left": _shift("left"),
+    "shift_right_logical": _shift("logical"),
+    "shift_right_arithmetic": _shift("arithmetic"),
     "max": np.maximum,
     "min": np.minimum,
     "neg": np.negative,
@@ -246,6 +295,34 @@ def eval_host(jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> lis
     return [read(a) for a in jaxpr.outvars]
 
 
+def check_results(
+    region: str, backend: str, outs: Any, avals: Sequence[Any], *, coerce: bool = False
+) -> list[Any]:
+    """A backend's results, checked against the region's declared types: count, shape and kind
+    of dtype exactly (never reshaped); ``coerce`` casts a numpy result of the same kind (a
+    float64 from host arithmetic) to the declared dtype."""
+    outs = list(outs)
+    want = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals)
+    if len(outs) != len(avals):
+        raise BackendError(
+            f"backend {backend!r} returned {len(outs)} result(s) for region {region!r}, which "
+            f"declares {len(avals)}: {want}"
+        )
+    checked = []
+    for i, (o, a) in enumerate(zip(outs, avals, strict=True)):
+        dtype = np.dtype(o.dtype) if hasattr(o, "dtype") else np.asarray(o).dtype
+        shape = tuple(np.shape(o))
+        same_kind = dtype.kind == np.dtype(a.dtype).kind and (coerce or dtype == a.dtype)
+        if shape != tuple(a.shape) or not same_kind:
+            raise BackendError(
+                f"backend {backend!r} returned {dtype.name}{list(shape)} as result {i} of region "
+                f"{region!r}, which declares {np.dtype(a.dtype).name}{list(a.shape)}; a backend "
+                "must return exactly the region's types"
+            )
+        checked.append(np.asarray(o, dtype=a.dtype) if coerce else o)
+    return checked
+
+
 def callback_runner(region: Program, host_fn: Callable[..., Sequence[Any]]) -> Callable[..., Any]:
     """Run ``host_fn`` (numpy in, numpy out) as the region's implementation through
     ``jax.pure_callback``; a failure inside names the region."""
@@ -258,9 +335,7 @@ def callback_runner(region: Program, host_fn: Callable[..., Sequence[Any]]) -> C
             raise BackendError(
                 f"region {region.name!r} failed on its backend: {type(e).__name__}: {e}"
             ) from e
-        return [
-            np.asarray(o, dtype=r.dtype).reshape(r.shape) for o, r in zip(outs, result, strict=True)
-        ]
+        return check_results(region.name, "host function", outs, result, coerce=True)
 
     def run(*args: Any) -> Sequence[Any]:
         return jax.pure_callback(host, result, *args, vmap_method="sequential")

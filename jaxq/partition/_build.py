@@ -10,7 +10,13 @@ import jax
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq.partition._backends import BackendError, Codegen, get_backend, xla_backend
+from jaxq.partition._backends import (
+    BackendError,
+    Codegen,
+    check_results,
+    get_backend,
+    xla_backend,
+)
 from jaxq.partition._partition_graph import regions
 from jaxq.partition._placement import META_KEY as PLACEMENT_KEY
 from jaxq.partition._placement import device_of
@@ -63,7 +69,9 @@ def build(
                 msg + "; running it with XLA instead", BackendFallbackWarning, stacklevel=2
             )
             fn = xla_backend()(r.program())
-        runners[r.name] = _guard(fn, r.name, label, r.program() if fallback == "xla" else None)
+        runners[r.name] = _guard(
+            fn, r.name, label, r.program() if fallback == "xla" else None, r.program()
+        )
     placement = dict(program.meta.get(PLACEMENT_KEY, {}))
     jittable = all(getattr(f, "jittable", True) for f in runners.values()) and not placement
     closed = program.jaxpr
@@ -125,14 +133,20 @@ def _segment_runner(closed: C.ClosedJaxpr, device: jax.Device, interp: Any) -> C
 
 
 def _guard(
-    fn: Callable[..., Sequence[Any]], region: str, backend: str, fallback: Program | None
+    fn: Callable[..., Sequence[Any]],
+    region: str,
+    backend: str,
+    fallback: Program | None,
+    declared: Program,
 ) -> Callable[..., Sequence[Any]]:
-    """Name the region in errors raised while running it (eagerly); fall back to XLA if asked."""
+    """Check what the backend returns against the region's types, name the region in errors
+    raised while running it, and fall back to XLA if asked."""
     xla: list[Any] = []
+    avals = declared.jaxpr.out_avals
 
     def run(*args: Any) -> Sequence[Any]:
         try:
-            return fn(*args)
+            return check_results(region, backend, fn(*args), avals)
         except BackendError:
             raise
         except Exception as e:

@@ -199,7 +199,12 @@ class PassContext:
             for inst in self.instruments:
                 _hook(inst, "run_before_pass", p, program)
         with _paused_gc():
-            out = p.transform(program)
+            try:
+                out = p.transform(program)
+            except Exception as e:
+                if leaf:  # name the pass once, innermost (the exception keeps its type)
+                    e.add_note(f"(raised by jaxq pass {p.name!r})")
+                raise
         if leaf:
             for inst in self.instruments:
                 _hook(inst, "run_after_pass", p, program, out)

@@ -1,0 +1,110 @@
+"""Regressions from adversarial use: results that used to be silently wrong are now right or a
+clear error (the quantization ones are in test_quantize_nonfinite.py and test_quantize_params.py)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax import lax
+
+import jaxq
+from jaxq import partition as P
+from jaxq.transform import Sequential, program_pass
+
+INT_OPS = {
+    "div": lax.div,
+    "rem": lax.rem,
+    "shift_left": lax.shift_left,
+    "shift_right_logical": lax.shift_right_logical,
+    "shift_right_arithmetic": lax.shift_right_arithmetic,
+    "add": lax.add,
+    "mul": lax.mul,
+    "max": lax.max,
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    for c in ("ints", "bad"):
+        P.unregister_compiler(c)
+        P.unregister_backend(c)
+
+
+def on_host(f, *args):
+    for name in INT_OPS:
+        P.register_op_support("ints", name)
+    prog = jaxq.trace(f, *args)
+    parts = Sequential(
+        [P.annotate_target(["ints"]), P.merge_compiler_regions(), P.partition_graph()]
+    )(prog)
+    assert P.regions(parts), "the integer ops should form a host region"
+    return P.build(parts, backends={"ints": "host"})
+
+
+def test_host_integer_division_truncates_like_xla():
+    x = np.array([-7, 7, -7, 5], np.int32)
+    y = np.array([2, -2, -2, 3], np.int32)
+    run = on_host(lambda a, b: lax.div(a, b), x, y)
+    np.testing.assert_array_equal(np.asarray(run(x, y)), [-3, -3, 3, 1])  # was [-4, -4, 3, 1]
+
+
+@st.composite
+def int_programs(draw):
+    dtype = draw(st.sampled_from([np.int8, np.int32]))
+    n = draw(st.integers(1, 6))
+    info = np.iinfo(dtype)
+    ints = st.integers(int(info.min), int(info.max))
+    x = np.array(draw(st.lists(ints, min_size=n, max_size=n)), dtype)
+    y = np.array(draw(st.lists(ints, min_size=n, max_size=n)), dtype)
+    ops = draw(st.lists(st.sampled_from(sorted(INT_OPS)), min_size=1, max_size=4))
+
+    def f(a, b):
+        for op in ops:
+            a = INT_OPS[op](a, b)
+        return a
+
+    return f, x, y, ops
+
+
+@settings(max_examples=30, deadline=None)
+@given(int_programs())
+def test_random_integer_programs_on_the_host_equal_xla_bit_for_bit(case):
+    f, x, y, _ = case
+    want = np.asarray(jax.jit(f)(x, y))
+    np.testing.assert_array_equal(np.asarray(on_host(f, x, y)(x, y)), want)
+
+
+def test_build_checks_what_a_backend_returns():
+    P.register_op_support("bad", "tanh")
+    x = np.ones((2, 4), np.float32)
+    prog = jaxq.trace(lambda a: jnp.tanh(a), x)
+    parts = Sequential(
+        [P.annotate_target(["bad"]), P.merge_compiler_regions(), P.partition_graph()]
+    )(prog)
+    wrong = {
+        "transposed": lambda *a: [jnp.tanh(a[0]).T],
+        "int32": lambda *a: [jnp.tanh(a[0]).astype(jnp.int32)],
+        "extra": lambda *a: [jnp.tanh(a[0]), jnp.tanh(a[0])],
+        "reshaped": lambda *a: [jnp.tanh(a[0]).reshape(4, 2)],
+    }
+    for result in wrong.values():
+        P.register_backend("bad", lambda region, result=result: result)
+        for jit in (False, True):
+            with pytest.raises(P.BackendError, match=r"region .*declares"):
+                jax.block_until_ready(P.build(parts, jit=jit)(x))
+
+
+def test_sequential_names_the_pass_that_raised():
+    @program_pass(name="breaks")
+    def breaks(program):
+        raise ValueError("something inside")
+
+    prog = jaxq.trace(jnp.sin, np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="something inside") as info:
+        Sequential([jaxq.transform.identity(), breaks])(prog)
+    assert "(raised by jaxq pass 'breaks')" in info.value.__notes__
