@@ -314,3 +314,23 @@ def make_jaxpr(
 def is_tracer(x: Any) -> bool:
     """Whether ``x`` is a tracer (we are inside jit, vmap, grad...): its value is not known."""
     return isinstance(x, jax.core.Tracer)
+
+
+@contextlib.contextmanager
+def no_source_locations() -> Iterator[None]:
+    """Lower programs without the directories of source files in their locations; with
+    :func:`without_traceback` on every equation, an exported program is the same whoever traced
+    it and reveals no local paths."""
+    from jax._src import config as jax_config
+
+    with (
+        jax_config.include_full_tracebacks_in_locations(False),
+        jax_config.hlo_source_file_canonicalization_regex(".*/"),  # (jaxq's own frames: no dirs)
+    ):
+        yield
+
+
+def without_traceback(eqn: JaxprEqn) -> JaxprEqn:
+    """The equation without the Python traceback of the code that traced it (names kept)."""
+    info = eqn.source_info
+    return eqn.replace(source_info=type(info)(None, info.name_stack))

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import zlib
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ import numpy as np
 
 from jaxq import _compat as C
 from jaxq._program import Program
+from jaxq._walk import map_equations
 
 FORMAT = "jaxq.program"
 FORMAT_VERSION = 2  # 2: the exported program is a zlib-compressed uint8 tensor
@@ -75,6 +77,7 @@ def save(
 
     st = _safetensors()
     path = Path(path)
+    program = map_equations(program, lambda eqn, *_: [C.without_traceback(eqn)])
     closed = program.jaxpr
     consts = list(closed.consts)
     for i, c in enumerate(consts):
@@ -90,7 +93,10 @@ def save(
     args, kwargs = jax.tree.unflatten(
         program.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     )
-    exported = bytes(jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize())
+    with C.no_source_locations():  # same bytes for the same model, no local paths in the file
+        exported = bytes(
+            jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize()
+        )
     tensors, dtypes, keys = {}, [], []
     for i, c in enumerate(consts):
         key = (names or {}).get(i) or f"const_{i:05d}"
@@ -111,20 +117,29 @@ def save(
     }
     digest = _digest(exported, tensors, manifest)
     tensors[_PROGRAM] = np.frombuffer(zlib.compress(exported, 9), np.uint8)
-    metadata = {
-        "jaxq.manifest": json.dumps(manifest),
-        "jaxq.sha256": digest,
+    metadata = {  # one key: safetensors writes several in no fixed order
+        "jaxq.manifest": json.dumps({**manifest, "sha256": digest}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         st.save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, _file_mode(path))  # (mkstemp makes it 0600)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _file_mode(path: Path) -> int:
+    """The permissions the saved file gets: an existing file's own, else the umask default."""
+    if path.exists():
+        return stat.S_IMODE(path.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class LoadedProgram:
@@ -204,6 +219,7 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
         raise LoadError(f"jaxq.load: {path} is a safetensors file but not a saved jaxq program")
     try:
         manifest = json.loads(metadata["jaxq.manifest"])
+        digest = manifest.pop("sha256", metadata.get("jaxq.sha256"))
     except Exception as e:
         raise LoadError(f"jaxq.load: the header of {path} is corrupted ({e})") from e
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
@@ -217,7 +233,7 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
         exported_bytes = zlib.decompress(tensors.pop(_PROGRAM).tobytes())
     except Exception as e:
         raise LoadError(f"jaxq.load: the program stored in {path} is corrupted ({e})") from e
-    if _digest(exported_bytes, tensors, manifest) != metadata.get("jaxq.sha256"):
+    if _digest(exported_bytes, tensors, manifest) != digest:
         raise LoadError(f"jaxq.load: {path} is corrupted: its checksum does not match its contents")
     consts = []
     keys = manifest.get("const_names") or [f"const_{i:05d}" for i in range(len(tensors))]

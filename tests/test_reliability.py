@@ -108,3 +108,36 @@ def test_sequential_names_the_pass_that_raised():
     with pytest.raises(ValueError, match="something inside") as info:
         Sequential([jaxq.transform.identity(), breaks])(prog)
     assert "(raised by jaxq pass 'breaks')" in info.value.__notes__
+
+
+def _model(x):
+    return jnp.tanh(x @ np.full((3, 3), 0.5, np.float32))
+
+
+def _save_here(path):
+    return jaxq.trace(_model, np.ones((2, 3), np.float32)).save(path)
+
+
+def test_saved_files_are_reproducible_private_and_keep_permissions(tmp_path):
+    import os
+    import stat
+
+    a = _save_here(tmp_path / "a.jaxq")
+    program = jaxq.trace(_model, np.ones((2, 3), np.float32))  # traced from another line
+    b = program.save(tmp_path / "b.jaxq")
+    data = a.read_bytes()
+    assert data == b.read_bytes()  # the same model, saved from two call sites
+    assert str(tmp_path).encode() not in data and b"test_reliability" not in data
+    import zlib
+
+    from safetensors.numpy import load_file
+
+    blob = zlib.decompress(load_file(str(a))["jaxq.program"].tobytes())
+    assert b"test_reliability" not in blob and os.getcwd().encode() not in blob
+    os.chmod(a, 0o644)
+    _save_here(a)
+    assert stat.S_IMODE(a.stat().st_mode) == 0o644  # saving over it kept its permissions
+    np.testing.assert_array_equal(
+        np.asarray(jaxq.load(a)(np.ones((2, 3), np.float32))),
+        np.asarray(_model(np.ones((2, 3), np.float32))),
+    )
