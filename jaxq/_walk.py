@@ -110,6 +110,8 @@ class _Walker:
                     f"rule for {eqn.primitive.name} at {visit.name!r} returned {len(outs)} "
                     f"outputs; the equation has {len(eqn.outvars)}"
                 )
+            if rule is not None:
+                _check_types(visit, outs)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [C.read_atom(v, env) for v in jaxpr.outvars]
 
@@ -164,6 +166,24 @@ class _Walker:
                 f"re-binding {eqn.primitive.name} at {visit.name!r} after rewriting its body failed "
                 f"(did a rule change the types inside a loop or a branch?): {type(e).__name__}: {e}"
             ) from e
+
+
+def _check_types(visit: Visit, outs: Sequence[Any]) -> None:
+    """A rule's arrays must have the equation's shapes and dtypes: anything else would silently
+    change the program's signature or the types downstream. (A pass's own values, such as a
+    quantized weight, are not arrays and are checked where they are consumed.)"""
+    for i, (out, var) in enumerate(zip(outs, visit.eqn.outvars, strict=True)):
+        shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+        aval: Any = var.aval
+        if shape is None or dtype is None or not hasattr(aval, "shape"):
+            continue
+        if tuple(shape) != tuple(aval.shape) or dtype != aval.dtype:
+            raise RewriteError(
+                f"rule for {visit.primitive} at {visit.name!r} returned "
+                f"{getattr(dtype, 'name', dtype)}{list(shape)} as output {i}; the equation "
+                f"produces {aval.str_short()}. A rule must keep each equation's shape and "
+                "dtype (cast or reshape inside the rule)."
+            )
 
 
 def rewrite(

@@ -11,6 +11,7 @@ from strategies import programs
 import jaxq
 from jaxq import transform as T
 from jaxq._compat import check_jaxpr
+from jaxq._walk import RewriteError
 
 
 def _snapshot(prog):
@@ -74,9 +75,10 @@ def test_rules_can_rebind_with_new_params_and_keep_names():
         with jax.named_scope("Block"):
             return jnp.sum(x, axis=0)
 
-    prog = T.name_expressions()(jaxq.trace(f, np.ones((2, 3), np.float32)))
+    x = np.arange(9, dtype=np.float32).reshape(3, 3)
+    prog = T.name_expressions()(jaxq.trace(f, x))
     out = jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x, axes=(1,))})
-    np.testing.assert_array_equal(out(np.ones((2, 3), np.float32)), np.full(2, 3.0))
+    np.testing.assert_array_equal(out(x), x.sum(1))
     assert [e.name for e in out.equations()] == ["Block/reduce_sum"]
     assert out.equation("Block/reduce_sum").params["axes"] == (1,)
 
@@ -148,3 +150,11 @@ def test_interpret_evaluates_through_rules_inside_jit_and_visit_inline_flattens_
     assert [e.primitive for e in inlined.equations()] == ["sin", "mul", "add"]
     with pytest.raises(T.RewriteError, match="not a call equation"):
         T.rewrite(prog, {"add": lambda visit, x, y: visit.inline(x, y)})
+
+
+def test_a_rule_that_changes_an_equations_type_is_an_error():
+    prog = jaxq.trace(lambda x: jnp.sum(x, axis=0) + 1.0, np.ones((2, 3), np.float32))
+    with pytest.raises(RewriteError, match=r"returned float32\[2\].*produces (f32|float32)\[3\]"):
+        jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x, axes=(1,))})
+    with pytest.raises(RewriteError, match=r"returned int32\[3\]"):
+        jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x).astype(jnp.int32)})
