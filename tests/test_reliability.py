@@ -141,3 +141,15 @@ def test_saved_files_are_reproducible_private_and_keep_permissions(tmp_path):
         np.asarray(jaxq.load(a)(np.ones((2, 3), np.float32))),
         np.asarray(_model(np.ones((2, 3), np.float32))),
     )
+
+
+def test_typed_prng_keys_pass_through_quantize():
+    w = np.full((4, 3), 0.5, np.float32)
+
+    def f(p, x, key):
+        return (x + 0.01 * jax.random.normal(key, x.shape)) @ p["w"]
+
+    x, key = np.ones((2, 4), np.float32), jax.random.key(0)
+    qf = jaxq.quantize(f, {"w": w}, calibration=[(x, key)], progress=False)
+    want = np.asarray(f({"w": w}, x, key))
+    assert np.abs(np.asarray(qf(x, key)) - want).max() < 0.05 * np.abs(want).max()

@@ -32,6 +32,9 @@ MODES = ("realize", "simulate")
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return jax.ShapeDtypeStruct(np.shape(x), dtype)  # (typed PRNG keys)
     return jax.ShapeDtypeStruct(
         np.shape(x), jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
     )
@@ -85,7 +88,7 @@ class QuantizedFunction:
 
     @staticmethod
     def _key(tree: Any, specs: Any) -> Any:
-        return tree, tuple((tuple(s.shape), np.dtype(s.dtype)) for s in specs)
+        return tree, tuple((tuple(s.shape), str(s.dtype)) for s in specs)  # (key<fry> too)
 
     def _key_of(self, program: Program) -> Any:
         avals = program.jaxpr.in_avals
