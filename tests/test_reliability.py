@@ -153,3 +153,22 @@ def test_typed_prng_keys_pass_through_quantize():
     qf = jaxq.quantize(f, {"w": w}, calibration=[(x, key)], progress=False)
     want = np.asarray(f({"w": w}, x, key))
     assert np.abs(np.asarray(qf(x, key)) - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_a_backend_failing_at_run_time_under_jit_names_its_region():
+    from jaxq.partition._backends import callback_runner
+
+    def fails(*args):
+        raise RuntimeError("device lost")
+
+    P.register_op_support("bad", "tanh")
+    P.register_backend("bad", lambda region: callback_runner(region, fails))
+    x = np.ones((2, 4), np.float32)
+    prog = jaxq.trace(lambda a: jnp.tanh(a) + 1.0, x)
+    parts = Sequential(
+        [P.annotate_target(["bad"]), P.merge_compiler_regions(), P.partition_graph()]
+    )(prog)
+    (region,) = [r.name for r in P.regions(parts)]
+    for jit in (False, True):
+        with pytest.raises(Exception, match=rf"{region}.*device lost"):
+            jax.block_until_ready(P.build(parts, jit=jit)(x))
