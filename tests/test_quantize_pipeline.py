@@ -491,6 +491,7 @@ def test_rule_quantizes_a_bias_add_weights_only():
     assert r.report().param_bytes < plain.report().param_bytes  # the f32 bias became int8
 
 
+@pytest.mark.filterwarnings("ignore:jaxq.quantize.*inside scan:UserWarning")
 @settings(max_examples=5)
 @given(programs(max_ops=6))
 def test_random_programs_quantize_in_both_modes(rp):
@@ -521,11 +522,12 @@ def test_control_flow_bodies_are_left_float_and_reported():
         with jax.named_scope("Out"):
             return h @ W2
 
-    qf = Q(f, calibration=[(X,)], progress=False)
+    with pytest.warns(UserWarning, match=r"3 layer\(s\) inside scan / while / cond bodies stay"):
+        qf = Q(f, calibration=[(X,)], progress=False)
     rows = {r.name: r for r in qf.report().layers}
     assert rows["Out/dot_general"].status == "quantized"
     loops = [r for r in rows.values() if r.status != "quantized"]
-    assert loops and all(r.status == "no constant (weight) operand" for r in loops)
+    assert loops and all(r.status.startswith("inside a scan / while / cond body") for r in loops)
     np.testing.assert_allclose(np.asarray(qf(X)), np.asarray(f(X)), atol=0.05 * np.abs(f(X)).max())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from jaxq.quantize._annotate import annotate, prepare, with_params
 from jaxq.quantize._arith import quantize_weight
 from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import Engine, lower, simulate_handler, source_inputs
+from jaxq.quantize._lower import LOOP_REASON, Engine, lower, simulate_handler, source_inputs
 from jaxq.quantize._params import float_leaf, to_float, to_qarray, to_site
 from jaxq.quantize._qarray import QArray, is_qarray
 from jaxq.quantize._realize import realize, realize_handler, realize_program
@@ -583,6 +584,18 @@ def quantize(
     if mode == "realize":
         phases.append(realize())
     program = Sequential(phases, name="quantize")(program)
+    in_loops = sorted(
+        n for n, why in get_state(program, "quantize").skipped.items() if why == LOOP_REASON
+    )
+    if in_loops:
+        warnings.warn(
+            f"jaxq.quantize: {len(in_loops)} layer(s) inside scan / while / cond bodies stay float "
+            f"(weights inside loops are not quantized yet): {in_loops[:5]}"
+            + (" ..." if len(in_loops) > 5 else "")
+            + "; qf.report() lists them",
+            UserWarning,
+            stacklevel=2,
+        )
     if params is None:
         return QuantizedFunction(fun, program)
     qf = QuantizedFunction(fun, program, float_params=params)

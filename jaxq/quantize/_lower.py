@@ -87,6 +87,13 @@ SiteHandler = Callable[[Visit, Site, Any, list[Any]], Any]
 (calibration; params already quantized)."""
 
 
+LOOP_REASON = "inside a scan / while / cond body: weights there stay float (not supported yet)"
+NO_WEIGHT_REASON = (
+    "no weight operand (both are activations; a weight passed as an argument must be in params: "
+    "jaxq.quantize(f, params, ...))"
+)
+
+
 class Engine:
     """Rules shared by every mode; ``handler(visit, site, qweight, invals)`` does the mode's work."""
 
@@ -195,9 +202,12 @@ class Engine:
             if isinstance(v, WeightRef) or (not isinstance(v, QTensor) and is_concrete(v))
         ]
         if len(concrete) != 1:
-            self.skipped[name] = (
-                "no constant (weight) operand" if not concrete else "both operands constant"
-            )
+            if concrete:
+                self.skipped[name] = "both operands constant"
+            elif visit.path[:-1] not in self.inlined:
+                self.skipped[name] = LOOP_REASON
+            else:
+                self.skipped[name] = NO_WEIGHT_REASON
             return bind_float()
         wi = concrete[0]
         in_loop = visit.path[:-1] not in self.inlined
