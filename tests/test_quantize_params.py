@@ -471,3 +471,17 @@ def test_float64_inputs_are_canonicalized_as_under_jit():
     np.testing.assert_array_equal(
         np.asarray(jaxq.trace(mlp, X)(x64)), np.asarray(jaxq.trace(mlp, X)(X))
     )
+
+
+def test_the_typed_entry_point_has_the_functions_signature():
+    import inspect
+
+    from jaxq.quantize import Quantize
+    from jaxq.quantize._api import quantize
+
+    protocol = inspect.signature(Quantize.__call__)
+    params = [p for name, p in protocol.parameters.items() if name != "self"]
+    assert [(p.name, p.kind, p.default) for p in params] == [
+        (p.name, p.kind, p.default) for p in inspect.signature(quantize).parameters.values()
+    ]
+    assert jaxq.quantize is quantize and "annotate, calibrate" in (jaxq.quantize.__doc__ or "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,6 @@ from jaxq.quantize._state import (
     Site,
     is_concrete,
 )
-
-if TYPE_CHECKING:
-    pass
-
 
 # ---- scales -------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ between two quantized layers instead of dequantizing and quantizing again."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +17,6 @@ from jaxq.quantize._state import (
     QState,
     shaped_aval,
 )
-
-if TYPE_CHECKING:
-    pass
-
 
 # ---- integer pass-through ---------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ here. Calls to ``jit`` are inlined so that weights flow into their bodies.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +74,6 @@ from jaxq.quantize._state import (
     Site,
     is_concrete,
 )
-
-if TYPE_CHECKING:
-    pass
-
 
 # ---- the engine ---------------------------------------------------------------------------------
 

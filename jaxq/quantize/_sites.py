@@ -4,7 +4,7 @@ token)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,6 @@ from jaxq.quantize._state import (
     Site,
     shaped_aval,
 )
-
-if TYPE_CHECKING:
-    pass
-
 
 # ---- rules: which scheme applies where ------------------------------------------------------------
 
