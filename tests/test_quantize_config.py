@@ -153,7 +153,7 @@ def test_an_inherited_field_that_invalidates_a_rules_scheme_is_named():
 
 def test_a_rule_with_bits_only_quantizes_per_channel_end_to_end():
     w = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
-    x = np.ones((2, 8), np.float32)
+    x = np.random.default_rng(1).normal(size=(2, 8)).astype(np.float32)
 
     def f(x):
         with jax.named_scope("Dense_0"):

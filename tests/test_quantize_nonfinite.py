@@ -123,3 +123,10 @@ def test_report_shows_the_share_of_clipped_activations():
     assert clipped["Dense_0/dot_general"] > 0.3  # inputs 10x the calibrated range
     assert "clipped %" in str(far)
     assert qf.clipped(X * 10) == clipped
+
+
+def test_check_saturation_warns_past_the_threshold():
+    qf = make("static", "realize")
+    assert all(v == 0.0 for v in qf.check_saturation(X).values())  # calibrated range: silent
+    with pytest.warns(UserWarning, match=r"Dense_0/dot_general \d+\.\d%.*outside the calibrated"):
+        qf.check_saturation(X * 10, threshold=0.05)

@@ -446,7 +446,10 @@ def test_accumulator_overflow_is_an_error():
         return v @ w
 
     x = np.ones((2, k), np.float32)
-    with pytest.raises(QuantizeError, match="int32 accumulator .* could overflow"):
+    with (
+        pytest.warns(UserWarning, match="was 1 everywhere"),
+        pytest.raises(QuantizeError, match="int32 accumulator .* could overflow"),
+    ):
         Q(big, calibration=[(x,)], progress=False)
 
 

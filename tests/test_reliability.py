@@ -30,7 +30,7 @@ INT_OPS = {
 @pytest.fixture(autouse=True)
 def _clean():
     yield
-    for c in ("ints", "bad"):
+    for c in ("ints", "ort_ints", "bad"):
         P.unregister_compiler(c)
         P.unregister_backend(c)
 
@@ -71,12 +71,30 @@ def int_programs(draw):
     return f, x, y, ops
 
 
+ORT_OPS = {"div", "add", "mul", "max"}  # what jaxq's ONNX export takes of these, on int32
+
+
+def on_onnxruntime(f, *args):
+    for name in ORT_OPS:
+        P.register_op_support("ort_ints", name)
+    parts = Sequential(
+        [P.annotate_target(["ort_ints"]), P.merge_compiler_regions(), P.partition_graph()]
+    )(jaxq.trace(f, *args))
+    return P.build(parts, backends={"ort_ints": "onnxruntime"})
+
+
 @settings(max_examples=30, deadline=None)
 @given(int_programs())
 def test_random_integer_programs_on_the_host_equal_xla_bit_for_bit(case):
-    f, x, y, _ = case
+    f, x, y, ops = case
     want = np.asarray(jax.jit(f)(x, y))
     np.testing.assert_array_equal(np.asarray(on_host(f, x, y)(x, y)), want)
+    # ONNX Runtime too, where it runs these ops (int32) and no division traps the CPU (by 0, or
+    # INT_MIN by -1 from an intermediate): divisors other than 0 and -1
+    ort = set(ops) <= ORT_OPS and x.dtype == np.int32 and not np.isin(y, (0, -1)).any()
+    if ort:
+        pytest.importorskip("onnxruntime")
+        np.testing.assert_array_equal(np.asarray(on_onnxruntime(f, x, y)(x, y)), want)
 
 
 def test_build_checks_what_a_backend_returns():
@@ -172,3 +190,16 @@ def test_a_backend_failing_at_run_time_under_jit_names_its_region():
     for jit in (False, True):
         with pytest.raises(Exception, match=rf"{region}.*device lost"):
             jax.block_until_ready(P.build(parts, jit=jit)(x))
+
+
+def test_onnxruntime_integer_region_equals_xla_including_wraparound():
+    pytest.importorskip("onnxruntime")
+    x = np.array([-7, 7, -7, 5, 2**31 - 1, -(2**31)], np.int32)
+    y = np.array([2, -2, -2, 3, 3, -3], np.int32)
+
+    def f(a, b):
+        return lax.max(lax.mul(lax.div(a, b), b), lax.add(a, b))
+
+    got = np.asarray(on_onnxruntime(f, x, y)(x, y))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, y)))
+    np.testing.assert_array_equal(got, np.asarray(on_host(f, x, y)(x, y)))

@@ -318,6 +318,27 @@ class QuantizedFunction:
         flat = source.flatten_args((*lead, *args), kwargs)
         return {k: float(v) for k, v in jax.device_get(jax.jit(run)(*flat)).items()}
 
+    def check_saturation(
+        self, *args: Any, threshold: float = 0.01, **kwargs: Any
+    ) -> dict[str, float]:
+        """An opt-in check on live inputs: :meth:`clipped` on these arguments, with a warning
+        naming every layer that clips more than ``threshold`` of its activations (the inputs
+        have drifted from the calibration data: calibrate again, or use dynamic scales)."""
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"check_saturation: threshold must be in [0, 1]; got {threshold}")
+        shares = self.clipped(*args, **kwargs)
+        over = {k: v for k, v in shares.items() if v > threshold}
+        if over:
+            listed = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(over.items()))
+            warnings.warn(
+                f"jaxq: {len(over)} layer(s) clip more than {100 * threshold:g}% of their "
+                f"activations on these inputs ({listed}); they are outside the calibrated "
+                "ranges: calibrate on data like them, or use QConfig(dynamic=True)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return shares
+
     def report(self, sample: tuple[Any, ...] | None = None) -> Report:
         """What was quantized and how; with ``sample`` (a tuple of arguments, params excluded)
         also the SQNR of every quantized layer and the share of its activations clipped, rows

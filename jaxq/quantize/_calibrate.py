@@ -319,11 +319,11 @@ def calibrate_program(
         scheme = site.activations
         assert scheme is not None  # _observed_keys keeps only sites with activation schemes
         lo, hi = o.value_range(method, scheme, pct)
-        if float(o.min) == float(o.max) == 0.0:  # (a constant c != 0 still spans [0, c])
+        if float(o.min) == float(o.max):  # all zero (scale 1.0 is a guess) or one constant
             warnings.warn(
                 f"calibrate: the {'output' if k.endswith(':out') else 'input'} of layer "
-                f"{k.removesuffix(':out')!r} was 0 everywhere in all {o.batches} calibration "
-                "batch(es), so its scale (1.0) is a guess; calibrate with data like the inputs "
+                f"{k.removesuffix(':out')!r} was {float(o.min):g} everywhere in all {o.batches} "
+                "calibration batch(es), a degenerate range; calibrate with data like the inputs "
                 "it will see",
                 UserWarning,
                 stacklevel=2,
