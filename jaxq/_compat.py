@@ -205,6 +205,8 @@ _INLINE_BODY = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
 }
+INLINE_CALLS: frozenset[str] = frozenset(_INLINE_BODY)
+"""The call primitives :func:`inline_body` opens (an interpreter runs their bodies in place)."""
 
 
 def inline_body(eqn: JaxprEqn) -> ClosedJaxpr | None:

@@ -32,24 +32,37 @@ class EquationView:
 
     @property
     def primitive(self) -> str:
+        """The primitive's name (``"dot_general"``)."""
         return self.eqn.primitive.name
 
     @property
     def params(self) -> dict[str, Any]:
+        """The equation's params (``dimension_numbers``, ``axes``...)."""
         return self.eqn.params
 
     @property
     def in_avals(self) -> tuple[Any, ...]:
+        """The avals (shape and dtype) of the operands."""
         return tuple(v.aval for v in self.eqn.invars)
 
     @property
     def out_avals(self) -> tuple[Any, ...]:
+        """The avals (shape and dtype) of the results."""
         return tuple(v.aval for v in self.eqn.outvars)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Equation(EquationView):
-    """One equation of a Program, as yielded by :meth:`Program.equations`."""
+    """One equation of a Program, as yielded by :meth:`Program.equations`.
+
+    Attributes:
+      name: the equation's stable name (``Dense_0/dot_general``).
+      eqn: the jaxpr equation itself.
+      path: where it sits: equation indices interleaved with the labels of the nested jaxprs on
+        the way down (``(2, label, 0)``: the first equation inside the third one's body).
+      in_layouts: the layout of each operand (``"NC"``, ``"IO"``...), None where unknown.
+      out_layouts: the layout of each result, None where unknown.
+    """
 
     name: str
     eqn: C.JaxprEqn
@@ -69,6 +82,7 @@ class Program:
       jaxpr: the ClosedJaxpr (the IR itself).
       in_tree, out_tree: pytree structure of ``(args, kwargs)`` and of the result.
       in_paths: readable names of the flat inputs (``args[0]['w']``), for error messages.
+      name: the traced function's name; partitioning names regions after it.
       layouts: layout string per value (``NHWC``, ``HWIO``...) once ``infer_layouts`` has run, else None.
       meta: free-form results that passes attach (calibrated scales, regions...).
     """
@@ -147,6 +161,7 @@ class Program:
             )
 
     def equation(self, name: str) -> Equation:
+        """The equation named ``name`` (:class:`KeyError` if there is none)."""
         for e in self.equations():
             if e.name == name:
                 return e
@@ -157,6 +172,7 @@ class Program:
         return sum(1 for _ in _names.walk_names(self.jaxpr.jaxpr))
 
     def replace(self, **changes: Any) -> Program:
+        """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
     def with_jaxpr(self, jaxpr: C.ClosedJaxpr, **changes: Any) -> Program:

@@ -143,7 +143,11 @@ def _file_mode(path: Path) -> int:
 
 
 class LoadedProgram:
-    """A program loaded from disk: call it like the original function (jit-able, fixed shapes)."""
+    """A program loaded from disk: call it like the original function (jit-able, fixed shapes).
+
+    Attributes:
+      name: the saved program's name.
+    """
 
     def __init__(self, exported: Any, consts: list[Any], manifest: dict[str, Any]) -> None:
         self.exported, self.consts, self.manifest = exported, consts, manifest
@@ -185,10 +189,12 @@ class LoadedProgram:
         )
 
     def as_fun(self) -> Callable[..., Any]:
+        """The program as a function (what calling it does), for symmetry with ``Program``."""
         return self.__call__
 
     @property
     def param_bytes(self) -> int:
+        """Bytes of the saved constants (weights)."""
         return sum(int(np.asarray(c).nbytes) for c in self.consts)
 
     def __repr__(self) -> str:

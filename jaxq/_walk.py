@@ -30,7 +30,12 @@ class RewriteError(Exception):
 
 
 class Visit(EquationView):
-    """What a rule sees: one equation of the program being rewritten."""
+    """What a rule sees: one equation of the program being rewritten.
+
+    Attributes:
+      name: the equation's stable name (``Dense_0/dot_general``).
+      path: where it sits (see :attr:`jaxq.Equation.path`).
+    """
 
     __slots__ = ("eqn", "name", "path", "_walker", "_stack")
 
@@ -40,11 +45,14 @@ class Visit(EquationView):
 
     @property
     def in_layouts(self) -> tuple[str | None, ...]:
+        """The layout of each operand (``"NC"``...), None where unknown or before
+        ``infer_layouts``."""
         lay = self._walker.layouts
         return tuple(None if C.is_literal(v) else lay.get(v) for v in self.eqn.invars)
 
     @property
     def out_layouts(self) -> tuple[str | None, ...]:
+        """The layout of each result, None where unknown."""
         return tuple(self._walker.layouts.get(v) for v in self.eqn.outvars)
 
     def bind(self, *invals: Any, **param_updates: Any) -> Any:

@@ -14,7 +14,14 @@ from ._stop_fusion import stop_fusion_p
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnnotationOp:
-    """One annotation op: its primitive name, support level and a one-line summary."""
+    """One annotation op: its primitive name, support level and a one-line summary.
+
+    Attributes:
+      name: the primitive's name, also the name of its function in ``jaxq.annotate``.
+      level: ``"stable"`` (signature and semantics kept) or ``"experimental"`` (may change).
+      summary: what it does, in one line.
+      primitive: the JAX primitive itself, for passes that match on it.
+    """
 
     name: str
     level: Literal["stable", "experimental"]

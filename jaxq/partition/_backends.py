@@ -57,10 +57,13 @@ def register_backend(compiler: str, codegen: Codegen) -> None:
 
 
 def unregister_backend(compiler: str) -> None:
+    """Forget the backend registered as ``compiler`` (no error if there is none)."""
     _BACKENDS.pop(compiler, None)
 
 
 def registered_backends() -> tuple[str, ...]:
+    """The names backends are registered under (``"xla"``, ``"host"``, ``"onnxruntime"`` and
+    yours), in registration order."""
     return tuple(_BACKENDS)
 
 

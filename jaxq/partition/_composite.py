@@ -1,26 +1,6 @@
 """``merge_composite``: group patterns of equations (conv + bias + relu...) into composite functions.
 
-The pattern language, over the top-level equations of a program::
-
-    x, w, b = wildcard(), wildcard(), is_constant()
-    conv = is_op("conv_general_dilated")(x, w)          # primitive match, operands matched in order
-    pat = is_op("add")(conv, b).optional(lambda p: is_op("max")(p, is_constant()))  # optional relu
-    alt = is_op("tanh")(x) | is_op("logistic")(x)        # alternatives (left first)
-    merge_composite([("dnnl.conv_bias_relu", pat, None), ("dnnl.act", alt, None)])
-
-* ``is_op(name, where=None, **params)(*operands)``: an equation of primitive ``name`` whose params
-  equal ``params`` and for which ``where(record)`` holds; operands matched position by position
-  (``is_op(name)()`` with no operands leaves them free);
-* ``wildcard()``: any value; ``is_constant()``: a literal or a closed-over constant;
-* ``p | q``: ``p``, else ``q``; ``p.optional(f)``: ``f(p)``, else ``p``;
-* using one pattern object twice means the *same* value both times (a diamond: ``r = is_op("sin")(x);
-  is_op("add")(r, r)`` does not match ``sin(a) + sin(b)``; TVM PR 5552).
-
-Patterns are tried in table order; for each pattern, roots are tried from the last equation back, so
-the largest match wins. A match is rejected when it overlaps an earlier match, when a value computed
-inside it (other than at its root) is used outside it, or when ``check(match)`` is false. A match
-becomes a nested ``jit`` named after the pattern; a name ``"<compiler>.<rest>"`` makes
-``annotate_target`` give the composite, as one unit, to that compiler.
+The pattern language and the matching rules: :func:`merge_composite`.
 """
 
 from __future__ import annotations
@@ -111,14 +91,19 @@ def _check_pattern(p: Any, where: str) -> Pattern:
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    """What a pattern's ``check`` receives."""
+    """What a pattern's ``check`` receives.
+
+    Attributes:
+      name: the pattern's name in the table (``"dnnl.conv_bias_relu"``).
+      equations: the matched equations, in program order (the last is the root).
+    """
 
     name: str
     equations: tuple[Equation, ...]
-    """The matched equations, in program order (the last is the root)."""
 
     @property
     def root(self) -> Equation:
+        """The equation whose result the match computes (the last one)."""
         return self.equations[-1]
 
 
@@ -200,7 +185,33 @@ Table = Sequence[tuple[str, Pattern] | tuple[str, Pattern, Callable[[Match], boo
 
 def merge_composite(patterns: Table) -> Pass:
     """A pass that turns every match of ``patterns`` (``(name, pattern, check=None)``, tried in
-    order) into a composite function: a nested ``jit`` named ``name`` (see the module docstring)."""
+    order) into a composite function: a nested ``jit`` named ``name``.
+
+    The pattern language, over the top-level equations of a program::
+
+        x, w, b = wildcard(), wildcard(), is_constant()
+        conv = is_op("conv_general_dilated")(x, w)   # primitive match, operands matched in order
+        relu = lambda p: is_op("max")(p, is_constant())
+        pat = is_op("add")(conv, b).optional(relu)    # conv + bias, with an optional relu
+        alt = is_op("tanh")(x) | is_op("logistic")(x)  # alternatives (left first)
+        merge_composite([("dnnl.conv_bias_relu", pat, None), ("dnnl.act", alt, None)])
+
+    * ``is_op(name, where=None, **params)(*operands)``: an equation of primitive ``name`` whose
+      params equal ``params`` and for which ``where(record)`` holds; operands matched position by
+      position (``is_op(name)()`` with no operands leaves them free);
+    * ``wildcard()``: any value; ``is_constant()``: a literal or a closed-over constant;
+    * ``p | q``: ``p``, else ``q``; ``p.optional(f)``: ``f(p)``, else ``p``;
+    * using one pattern object twice means the *same* value both times (a diamond:
+      ``r = is_op("sin")(x); is_op("add")(r, r)`` does not match ``sin(a) + sin(b)``; TVM PR
+      5552).
+
+    Patterns are tried in table order; for each pattern, roots are tried from the last equation
+    back, so the largest match wins. A match is rejected when it overlaps an earlier match, when a
+    value computed inside it (other than at its root) is used outside it, or when
+    ``check(match)`` is false. A match becomes a nested ``jit`` named after the pattern; a name
+    ``"<compiler>.<rest>"`` makes ``annotate_target`` give the composite, as one unit, to that
+    compiler.
+    """
     table = []
     for entry in patterns:
         if not isinstance(entry, tuple) or len(entry) not in (2, 3):

@@ -35,6 +35,8 @@ _OTHER = {
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square",
 }  # fmt: skip
+ONNX_PRIMITIVES: frozenset[str] = frozenset(_UNARY.keys() | _BINARY.keys() | _OTHER)
+"""Every primitive the exporter has a rule for (``jaxq.partition.backend_ops`` reads it)."""
 
 
 def unsupported_onnx_primitives(jaxpr: C.Jaxpr) -> set[str]:
@@ -44,7 +46,7 @@ def unsupported_onnx_primitives(jaxpr: C.Jaxpr) -> set[str]:
         body = C.inline_body(e)
         if body is not None:
             bad |= unsupported_onnx_primitives(body.jaxpr)
-        elif name not in _UNARY and name not in _BINARY and name not in _OTHER:
+        elif name not in ONNX_PRIMITIVES:
             bad.add(name)
         elif name == "select_n" and len(e.invars) != 3:
             bad.add("select_n with more than two cases")

@@ -158,7 +158,18 @@ def _extract(
 
 @dataclasses.dataclass(frozen=True)
 class RegionInfo:
-    """A region of a partitioned program (see :func:`regions`)."""
+    """A region of a partitioned program (see :func:`regions`).
+
+    Attributes:
+      name: the region's function name, ``<compiler>_<function>_<index>``.
+      compiler: the compiler the region was partitioned for.
+      primitives: the primitive names of the region's equations, in order (a composite shows as
+        its pattern name).
+      num_inputs: how many arrays the region takes.
+      num_outputs: how many arrays it returns.
+      index: position of the region's call among the program's top-level equations.
+      jaxpr: the region's body, a ClosedJaxpr over flat arrays.
+    """
 
     name: str
     compiler: str
@@ -166,15 +177,16 @@ class RegionInfo:
     num_inputs: int
     num_outputs: int
     index: int
-    """Position of the region's call among the program's top-level equations."""
     jaxpr: C.ClosedJaxpr = dataclasses.field(repr=False, compare=False)
 
     @property
     def in_avals(self) -> tuple[Any, ...]:
+        """The avals (shape and dtype) of the region's inputs."""
         return tuple(self.jaxpr.in_avals)
 
     @property
     def out_avals(self) -> tuple[Any, ...]:
+        """The avals (shape and dtype) of the region's outputs."""
         return tuple(self.jaxpr.out_avals)
 
     def program(self) -> Program:

@@ -1,19 +1,6 @@
 """``plan_devices``: carry out ``on_device`` annotations (TVM's PlanDevices, simplified).
 
-Every top-level equation gets a device:
-
-1. an equation whose result is annotated ``on_device(x, d)`` runs on ``d`` (the first annotation in
-   program order wins);
-2. otherwise, going backwards, an equation runs where its first consumer (in program order) runs:
-   the work producing a value placed on ``d`` is placed on ``d`` too;
-3. otherwise, going forwards, it runs where its first operand was computed, else on ``default``.
-
-The equations are then scheduled so that work on one device stays together (a list schedule that
-keeps to the current device while it can), and every run of equations on one device becomes a
-nested ``jit`` call (a *segment*, named ``<function>_<platform>_<index>_<k>``). Values crossing
-devices get an explicit ``device_put`` equation; ``on_device`` annotations are consumed.
-:func:`jaxq.build` then runs each segment as its own compiled call on its device, so the copies are
-real transfers and results annotated ``on_device(x, d)`` are committed to ``d``.
+The placement rules: :func:`plan_devices`.
 """
 
 from __future__ import annotations
@@ -41,7 +28,25 @@ def device_of(spec: str) -> jax.Device:
 
 def plan_devices(default: Any = None) -> Pass:
     """A pass that places every top-level equation on a device per its ``on_device`` annotations
-    (see the module docstring) and makes the copies between devices explicit."""
+    and makes the copies between devices explicit.
+
+    Every top-level equation gets a device:
+
+    1. an equation whose result is annotated ``on_device(x, d)`` runs on ``d`` (the first
+       annotation in program order wins);
+    2. otherwise, going backwards, an equation runs where its first consumer (in program order)
+       runs: the work producing a value placed on ``d`` is placed on ``d`` too;
+    3. otherwise, going forwards, it runs where its first operand was computed, else on
+       ``default`` (the first device when None).
+
+    The equations are then scheduled so that work on one device stays together (a list schedule
+    that keeps to the current device while it can), and every run of equations on one device
+    becomes a nested ``jit`` call (a *segment*, named ``<function>_<platform>_<index>_<k>``).
+    Values crossing devices get an explicit ``device_put`` equation; ``on_device`` annotations are
+    consumed. :func:`jaxq.build` then runs each segment as its own compiled call on its device, so
+    the copies are real transfers and results annotated ``on_device(x, d)`` are committed to
+    ``d``.
+    """
 
     def _run(program: Program) -> Program:
         closed = program.jaxpr

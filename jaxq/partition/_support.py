@@ -98,6 +98,7 @@ def unregister_compiler(compiler: str) -> None:
 
 
 def registered_compilers() -> tuple[str, ...]:
+    """The compilers that have op support registered, in registration order."""
     return tuple(_TABLE)
 
 

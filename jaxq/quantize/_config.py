@@ -50,6 +50,9 @@ class Scheme:
       granularity: one scale per ``"tensor"``, per output ``"channel"`` (weights), per ``"group"``
         of ``group_size`` consecutive contraction elements and output channel (weights), or per
         ``"token"`` (activations, computed at run time: needs ``QConfig(dynamic=True)``).
+      group_size: with ``granularity="group"``, how many consecutive elements along the
+        contracted axis share a scale (it must divide that axis); None for the other
+        granularities.
       narrow_range: drop the lowest code (``[-127, 127]`` for signed 8 bits).
       rounding: ``"nearest_even"``, ``"half_away_from_zero"``, ``"half_up"`` or ``"floor"``.
 
@@ -112,6 +115,8 @@ class Scheme:
 
     @property
     def qrange(self) -> tuple[int, int]:
+        """The integer range ``(qmin, qmax)`` of the codes (``(-127, 127)`` for signed 8-bit
+        narrow range)."""
         lo = -(2 ** (self.bits - 1)) if self.signed else 0
         hi = 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
         return lo + int(self.narrow_range), hi
@@ -185,6 +190,7 @@ class Rule:
             raise TypeError(f"Rule: skip must be a bool; got {self.skip!r}")
 
     def matches(self, name: str, primitive: str) -> bool:
+        """Whether this rule applies to the equation ``name`` of primitive ``primitive``."""
         if self.primitives is not None and primitive not in self.primitives:
             return False
         return self.pattern is None or re.search(self.pattern, name) is not None

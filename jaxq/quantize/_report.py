@@ -20,7 +20,28 @@ from jaxq.quantize._state import get_state
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-    """One row of :class:`Report`. Later columns (e.g. SQNR) go after ``status``."""
+    """One row of :class:`Report`: one layer (a matmul or convolution) and how it was quantized.
+
+    Attributes:
+      name: the layer's equation name (``Dense_0/dot_general``).
+      primitive: its primitive (``dot_general``, ``conv_general_dilated``).
+      status: ``"quantized"``, or why the layer stays in float.
+      weights: the weight scheme in short form (``int8 sym channel narrow``, plus the weight
+        calibration when not min/max, and ``smoothed`` under SmoothQuant); None when in float.
+      activations: the activation scheme in short form and whether its scale is ``static``
+        (calibrated) or ``dynamic`` (computed at run time); None when activations stay float.
+      weight_scale: ``(min, max)`` of the weight scales over channels (or groups).
+      activation_scale: the calibrated activation scale (static activations only).
+      activation_zero_point: the calibrated activation zero point (static activations only).
+      rule: the index in ``QConfig.rules`` of the rule that chose this layer's schemes, or None
+        for the QConfig's own.
+      sqnr_db: SQNR (dB) of the layer's output against float on the report's ``sample``; None
+        without one.
+      clipped: the share of the sample's activation values outside the calibrated range; None
+        without a sample.
+
+    Later columns (e.g. SQNR) go after ``status``.
+    """
 
     name: str
     primitive: str
@@ -37,7 +58,18 @@ class LayerReport:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What was quantized, and how. ``str(report)`` is a table; ``report.to_dict()`` the data."""
+    """What was quantized, and how. ``str(report)`` is a table; ``report.to_dict()`` the data.
+
+    Attributes:
+      mode: ``"realize"`` (integer code) or ``"simulate"`` (fake quantization).
+      layers: a :class:`LayerReport` per layer, in program order (worst SQNR first when the
+        report was made with a sample).
+      unmatched_rules: the ``QConfig.rules`` that matched no layer (``rules[i]: Rule(...)``):
+        usually a misspelt pattern.
+      calibration: how activation scales were calibrated: ``method``, number of ``batches``,
+        ``percentile``, and what GPTQ or smoothing did where used.
+      param_bytes: bytes of the quantized parameters (codes and scales).
+    """
 
     mode: str
     layers: tuple[LayerReport, ...]
@@ -46,6 +78,7 @@ class Report:
     param_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes)."""
         return {
             "mode": self.mode,
             "layers": [dataclasses.asdict(r) for r in self.layers],

@@ -36,7 +36,19 @@ def layer_sqnr(
 
 @dataclasses.dataclass(frozen=True)
 class SensitivityResult:
-    """The chosen function, the layers kept in float (worst first) and every step taken."""
+    """The chosen function, the layers kept in float (worst first) and every step taken.
+
+    Attributes:
+      function: the chosen :class:`QuantizedFunction` (the last one tried).
+      kept_float: the names of the layers kept in float, most harmful first.
+      metric: ``metric(function)``.
+      target: the target asked for.
+      met: whether ``metric >= target``.
+      sqnr_db: per-layer SQNR (dB) of each layer's output against float, all layers quantized.
+      history: ``(layers kept in float, metric)`` for every step, in order.
+      isolated_sqnr_db: per layer, the SQNR (dB) of the model's output with only that layer
+        quantized: the ranking behind ``kept_float``.
+    """
 
     function: QuantizedFunction
     kept_float: tuple[str, ...]

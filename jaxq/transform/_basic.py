@@ -43,7 +43,22 @@ def name_expressions() -> Pass:
 
 
 def infer_layouts() -> Pass:
-    """Attach the layout of every value that can be known (see ``jaxq._layouts``)."""
+    """Attach the layout of every value that can be known: which axis of each value means what
+    (``NHWC``, ``HWIO``, ``NC``...), in ``program.layouts``, printed with the IR and passed to
+    rules as ``visit.in_layouts`` / ``visit.out_layouts``.
+
+    Anchors are the equations whose params say it: convolutions (dimension numbers) and
+    ``dot_general`` (contracting and batch dims). Layouts then flow forwards and backwards through
+    equations that keep axes (elementwise ops, annotations, pooling, slicing), permute them
+    (transpose), add or drop them (``broadcast_in_dim``, ``squeeze``, ``expand_dims``, reshapes
+    that only add or drop unit axes, reductions), and across the boundaries of nested calls.
+    Anything else stays unknown (None): a reshape that merges axes has no honest layout.
+
+    ``dot_general`` letters: data operand (lhs) ``B`` batch, ``C`` contracting, ``N T S U`` free
+    axes; weight operand (rhs) ``B`` batch, ``I`` contracting, ``O P Q`` free; output batch + lhs
+    free + rhs free. Convolutions: lhs/out ``N C`` + spatial, rhs ``O I`` + spatial, spatial
+    letters ``W``, ``HW``, ``DHW``.
+    """
 
     @program_pass(name="infer_layouts")
     def run(program: Program) -> Program:

@@ -18,7 +18,11 @@ class PassError(Exception):
 
 
 class PassTiming:
-    """Wall time of every pass run in the context. ``str(timing)`` is a table; ``.records`` the data."""
+    """Wall time of every pass run in the context. ``str(timing)`` is a table; ``.records`` the data.
+
+    Attributes:
+      records: ``(pass name, seconds)`` for every pass run, in order.
+    """
 
     def __init__(self) -> None:
         self.records: list[tuple[str, float]] = []
@@ -31,6 +35,7 @@ class PassTiming:
         self.records.append((p.name, time.perf_counter() - self._start.pop()))
 
     def summary(self) -> str:
+        """A table of milliseconds and share per pass, with the total (also ``str(timing)``)."""
         total = sum(t for _, t in self.records) or 1e-12
         width = max([len(n) for n, _ in self.records] + [4])
         lines = [f"{'pass':<{width}}  {'ms':>10}  {'%':>6}"]

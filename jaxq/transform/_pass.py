@@ -24,6 +24,8 @@ class Pass:
     required: bool = False
 
     def transform(self, program: Program) -> Program:
+        """The transformation itself; call the pass instead, which runs this under the current
+        :class:`PassContext`."""
         raise NotImplementedError
 
     def __call__(self, program: Program) -> Program:
@@ -169,6 +171,7 @@ class PassContext:
 
     @staticmethod
     def current() -> PassContext:
+        """The innermost active context, or the default one (opt_level=2, no instruments)."""
         ctx = _CURRENT.get()
         return _DEFAULT if ctx is None else ctx
 

@@ -1,0 +1,91 @@
+"""backend_ops: what a backend says it runs is what it runs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxq
+from jaxq import partition as P
+from jaxq.transform import Sequential
+
+X = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+W = (np.random.default_rng(1).standard_normal((3, 3)) * 0.5).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    for name in ("claims", "mine"):
+        P.unregister_compiler(name)
+        P.unregister_backend(name)
+
+
+def partitioned(f, compiler):
+    pipeline = Sequential(
+        [P.annotate_target([compiler]), P.merge_compiler_regions(), P.partition_graph()]
+    )
+    return pipeline(jaxq.trace(f, X))
+
+
+def test_table_backends_list_sorted_names_with_the_calls_they_inline():
+    for backend in ("host", "onnxruntime"):
+        ops = P.backend_ops(backend)
+        assert ops is not None and list(ops) == sorted(set(ops))
+        assert {"dot_general", "add", "tanh", "jit", "custom_jvp_call"} <= set(ops)
+    assert "shift_left" in P.backend_ops("host") and "erf" not in P.backend_ops("host")
+    assert "erf" in P.backend_ops("onnxruntime")
+
+
+def test_xla_and_backends_you_register_have_no_table():
+    assert P.backend_ops("xla") is None
+    P.register_backend("mine", P.xla_backend())
+    assert P.backend_ops("mine") is None
+
+
+def test_an_unknown_backend_is_an_error_naming_the_known_ones():
+    with pytest.raises(P.UnknownBackendError, match="'nope'.*registered: .*host"):
+        P.backend_ops("nope")
+
+
+def test_the_table_belongs_to_the_codegen_not_to_the_name():
+    from jaxq.partition._backends import host_codegen
+
+    P.register_backend("host", P.xla_backend())  # "host" now runs something else
+    try:
+        assert P.backend_ops("host") is None
+    finally:
+        P.register_backend("host", host_codegen)
+    assert P.backend_ops("host") is not None
+
+
+@pytest.mark.parametrize("backend", ["host", "onnxruntime"])
+def test_a_compiler_claiming_exactly_what_a_backend_runs_builds_on_it(backend):
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    for op in P.backend_ops(backend):
+        P.register_op_support("claims", op)
+
+    def f(x):
+        h = jnp.tanh(x @ W) * 2.0 - 1.0
+        return jnp.cumsum(jnp.maximum(h, 0.0), axis=1)  # cumsum is in no table: stays with XLA
+
+    parts = partitioned(f, "claims")
+    (region,) = P.regions(parts)
+    assert set(region.primitives) <= set(P.backend_ops(backend))
+    run = jaxq.build(parts, backends={"claims": backend})
+    np.testing.assert_allclose(run(X), f(X), rtol=1e-5, atol=1e-5)
+
+
+def test_a_primitive_a_backend_does_not_list_fails_to_build_on_it():
+    pytest.importorskip("onnxruntime")
+    P.register_op_support("claims", "erf")  # ONNX Runtime lists it, the host backend does not
+
+    def f(x):
+        return jnp.sin(lax.erf(x))
+
+    parts = partitioned(f, "claims")
+    with pytest.raises(P.BackendError, match="erf"):
+        jaxq.build(parts, backends={"claims": "host"})
+    run = jaxq.build(parts, backends={"claims": "onnxruntime"})
+    np.testing.assert_allclose(run(X), f(X), rtol=1e-5, atol=1e-5)
