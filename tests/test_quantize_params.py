@@ -117,6 +117,38 @@ def test_weights_are_arguments_not_constants():
     assert len(dots) == 3 and all(e.params["preferred_element_type"] == jnp.int32 for e in dots)
 
 
+def qarrays(params):
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
+    return [q for q in leaves if isinstance(q, QArray)]
+
+
+def test_code_sums_are_stored_so_no_call_reads_a_weight_twice():
+    # asymmetric activations: the zero-point term za * sum(w) comes from each QArray's stored
+    # sums (one int32 per output channel), never from summing the codes on every call
+    qf = realized()
+    for q, axis in zip(qarrays(qf.params), (0, 1, 0), strict=True):  # Dense_1 is [out, in]
+        codes = np.asarray(q.int_codes(), np.int64)
+        np.testing.assert_array_equal(np.asarray(q.sums), codes.sum(axis=axis, keepdims=True))
+    weight_shapes = {q.shape for q in qarrays(qf.params)}
+    sums = [
+        e
+        for e in qf.specialize(X).equations()
+        if e.primitive == "reduce_sum" and tuple(e.in_avals[0].shape) in weight_shapes
+    ]
+    assert sums == []
+    cfg = QConfig(activations=Scheme(symmetric=True))  # no activation zero point: no sums
+    sym = Q(model, P, calibration=BATCHES, config=cfg, progress=False)
+    assert [q.sums for q in qarrays(sym.params)] == [None] * 3
+
+
+def test_qarrays_are_immutable():
+    q = qarrays(realized().params)[0]
+    with pytest.raises(AttributeError, match="QArray is immutable.*'scale'.*jax.tree.map"):
+        q.scale = q.scale * 2
+    copied = jax.tree.map(lambda v: v, q)
+    assert copied is not q and copied.shape == q.shape and copied.sums is q.sums
+
+
 def test_quantize_params_reuses_scales_and_new_shapes_reuse_everything():
     qf = realized()
     p2 = make_params(np.random.default_rng(7))

@@ -16,9 +16,10 @@ from strategies import programs
 import jaxq
 import jaxq.quantize as Q
 from jaxq.annotate import simulated_quantize
-from jaxq.quantize import QConfig, QuantizeError, Rule, Scheme
-from jaxq.quantize._realize import CONV_TAPS_MAX
+from jaxq.quantize import QConfig, QuantizeError, Rule, Scheme, Tuning
 from jaxq.quantize._state import get_state
+from jaxq.quantize._tuning import TABLE as TUNING_TABLE
+from jaxq.transform import PassContext
 
 RNG = np.random.default_rng(0)
 W1 = (RNG.normal(size=(16, 24)) * 0.3).astype(np.float32)
@@ -47,6 +48,15 @@ def cnn(x):
         h = jax.nn.relu(h).reshape(x.shape[0], -1)
         with jax.named_scope("Dense_0"):
             return h @ WC
+
+
+ROUTES = Tuning(float_carry_max_rows=1, s8_conv_min_channels=17)
+"""Pins realize's lowering choices (s8 convolutions from 17 output channels), so the tests of each
+route check it whatever the running jax's tuning entry chooses."""
+
+
+def pinned(tuning=ROUTES):
+    return PassContext(config={"quantize.tuning": tuning})
 
 
 def both(f, cal, config, **kw):
@@ -253,6 +263,32 @@ def test_jit_vmap_and_new_shapes_reuse_scales():
     assert get_state(qf.specialize(x9), "t").act == before
     v = jax.vmap(qf)(X[:, None])
     np.testing.assert_allclose(np.asarray(v)[:, 0], np.asarray(qf(X)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "carry, pad", [(1, False), (0, True), (0, False)], ids=["f32 sums", "s8 2 rows", "s8 1 row"]
+)
+def test_one_row_matmul_routes_give_the_same_integers(carry, pad):
+    # each route a tuning entry can pick for a batch-1 matmul computes the same integer sums
+    x1 = X[:1]
+    base = Tuning(float_carry_max_rows=carry, s8_pad_single_row=pad, s8_conv_min_channels=17)
+    with pinned(base):
+        qf = Q(mlp, calibration=[(X,)], progress=False)
+        text = str(qf.specialize(x1))
+    assert ("preferred_element_type=float32" in text) == (carry == 1)
+    assert ("concatenate" in text) == (carry == 0 and pad)
+    many = np.asarray(qf(X))[0]
+    np.testing.assert_array_equal(np.asarray(jax.jit(qf)(x1))[0], many)
+
+
+def test_tuning_table_is_chosen_by_version_and_can_be_given():
+    table = TUNING_TABLE
+    assert Q.tuning((0, 0, 1)) == table[0][1]  # older than every entry: the oldest
+    assert Q.tuning((99, 0, 0)) == table[-1][1]
+    for version, entry in table:
+        assert Q.tuning(version) == entry
+    with pinned("fast"), pytest.raises(TypeError, match="quantize.tuning.*Tuning; got str"):
+        Q(mlp, calibration=[(X,)], progress=False)
 
 
 def test_partial_and_weight_argnums_agree():
@@ -675,12 +711,13 @@ def test_convolutions_in_any_layout(dn, ksize, strides, rdil, pad, groups, asym,
         weights=Scheme(granularity="channel", symmetric=not wasym),
         activations=Scheme(symmetric=not asym),
     )
-    r, s = both(f, [(x,)], cfg)
+    with pinned():
+        r, s = both(f, [(x,)], cfg)
     out_r, out_s = np.asarray(r(x)), np.asarray(s(x))
     np.testing.assert_allclose(out_r, out_s, atol=1e-5 * max(1.0, np.abs(out_s).max()))
     text = str(r.program)
     assert "int8" in text
-    by_taps = groups == 1 and ksize[0] * ksize[1] * 3 <= CONV_TAPS_MAX
+    by_taps = groups == 1 and ksize[0] * ksize[1] * 3 <= ROUTES.conv_taps_max
     channels_last = dn[0] == "NHWC" and dn[1] == "HWIO"
     assert ("preferred_element_type=int32" in text) == (channels_last and not by_taps)
 
@@ -699,10 +736,11 @@ def test_few_input_channels_run_as_shifted_slices(channels, dn):
             return lax.conv_general_dilated(v, w, (2, 1), ((1, 1), (2, 0)), dimension_numbers=dn)
 
     cfg = QConfig(activations=Scheme(symmetric=False), weights=Scheme(granularity="channel"))
-    r, s = both(f, [(x,)], cfg)
+    with pinned():
+        r, s = both(f, [(x,)], cfg)
     np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), atol=1e-5 * np.abs(f(x)).max())
     text = str(r.program)
-    by_taps = 9 * channels <= CONV_TAPS_MAX
+    by_taps = 9 * channels <= ROUTES.conv_taps_max
     assert ("= conv_general_dilated[" not in text) == by_taps
     assert (
         "preferred_element_type=int32" not in text
@@ -727,6 +765,7 @@ def test_s8_convolution_with_zero_point_borders(pad, wasym):
         weights=Scheme(granularity="channel", symmetric=not wasym),
         activations=Scheme(symmetric=False),
     )
-    r, s = both(f, [(x,)], cfg)
+    with pinned():
+        r, s = both(f, [(x,)], cfg)
     np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), atol=1e-5 * np.abs(f(x)).max())
     assert "preferred_element_type=int32" in str(r.program)

@@ -19,6 +19,7 @@ exactly their ``Sequential``)::
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from jaxq.quantize import _tuning
 from jaxq.quantize._annotate import annotate as annotate
 from jaxq.quantize._api import QuantizedFunction as QuantizedFunction
 from jaxq.quantize._api import quantize as _quantize
@@ -33,6 +34,8 @@ from jaxq.quantize._report import Report as Report
 from jaxq.quantize._sensitivity import SensitivityResult as SensitivityResult
 from jaxq.quantize._sensitivity import sensitivity as sensitivity
 from jaxq.quantize._state import QuantizeError as QuantizeError
+from jaxq.quantize._tuning import Tuning as Tuning
+from jaxq.quantize._tuning import tuning as tuning
 
 NAMESPACE = {
     "annotate": annotate,
@@ -48,6 +51,8 @@ NAMESPACE = {
     "Report": Report,
     "LayerReport": LayerReport,
     "SensitivityResult": SensitivityResult,
+    "Tuning": Tuning,
+    "tuning": tuning,
 }
 """What ``jaxq.quantize.<name>`` reaches besides the call itself."""
 
@@ -82,6 +87,8 @@ class Quantize(Protocol):
     Report: type[Report]
     LayerReport: type[LayerReport]
     SensitivityResult: type[SensitivityResult]
+    Tuning: type[Tuning]
+    tuning: Callable[..., _tuning.Tuning]
 
 
 for _name, _value in NAMESPACE.items():

@@ -178,6 +178,7 @@ def view_qweight(view: QView, site: Site) -> QWeight:
         group_scale=gs,
         group_zero_point=gz,
         method="params",
+        sums=view.sums,
     )
 
 

@@ -252,6 +252,9 @@ class Engine:
         spec = self.state.params
         assert spec is not None  # WeightRefs only enter programs traced with params
         group = site.weights.granularity == "group"
+        a = site.activations
+        # realize's activation zero-point term needs the codes' sums: stored, not recomputed
+        sums = a is not None and not (a.symmetric and a.signed) and not group
         plan = LeafPlan(
             leaf=ref.leaf,
             path=spec.paths[ref.leaf],
@@ -262,6 +265,9 @@ class Engine:
             group_axis=leaf_axis(ref.chain, site.contract_axes[0]) if group else None,
             shape=tuple(spec.avals[ref.leaf].shape),
             dtype=np.dtype(spec.avals[ref.leaf].dtype).name,
+            sum_axes=tuple(sorted(leaf_axis(ref.chain, d) for d in site.contract_axes))
+            if sums
+            else None,
         )
         first = self.leaves.get(ref.leaf)
         if first is None:
@@ -275,10 +281,11 @@ class Engine:
                 )
             self.leaves[ref.leaf] = plan
             return plan
-        same = (first.scheme, first.channel_axis, first.group_axis) == (
+        same = (first.scheme, first.channel_axis, first.group_axis, first.sum_axes) == (
             plan.scheme,
             plan.channel_axis,
             plan.group_axis,
+            plan.sum_axes,
         )
         smoothed = site.name in self.state.smooth or first.site in self.state.smooth
         if not same or smoothed:

@@ -37,6 +37,7 @@ class QView:
     dtype: Any
     group_axis: int | None = None
     group_size: int | None = None
+    sums: Any = None  # the codes' sums over the contracted axes (kept), or None
 
     @classmethod
     def of(cls, qa: QArray) -> QView:
@@ -46,7 +47,7 @@ class QView:
         scale = rank(qa.scale) if np.ndim(qa.scale) else jnp.reshape(qa.scale, (1,) * qa.ndim)
         zp = qa.zero_point
         zp = None if zp is None else (rank(zp) if np.ndim(zp) else jnp.reshape(zp, (1,) * qa.ndim))
-        return cls(qa.int_codes(), scale, zp, qa.dtype, qa.group_axis, qa.group_size)
+        return cls(qa.int_codes(), scale, zp, qa.dtype, qa.group_axis, qa.group_size, qa.sums)
 
     def full(self, v: Any) -> Any:
         if v is None or self.group_size is None:
@@ -70,6 +71,7 @@ class QView:
                 scale=t(self.scale),
                 zero_point=t(self.zero_point),
                 group_axis=ga,
+                sums=t(self.sums),
             )
         if primitive == "convert_element_type":
             return dataclasses.replace(self, dtype=np.dtype(params["new_dtype"]))
@@ -137,6 +139,11 @@ class LeafPlan:
     group_axis: int | None  # in the leaf's orientation (granularity="group")
     shape: tuple[int, ...]
     dtype: str
+    sum_axes: tuple[int, ...] | None = None  # leaf axes the stored code sums run over, if any
+
+    def sums_shape(self) -> tuple[int, ...]:
+        assert self.sum_axes is not None  # (only asked of plans that store sums)
+        return tuple(1 if d in self.sum_axes else n for d, n in enumerate(self.shape))
 
     def scale_shape(self) -> tuple[int, ...]:
         s = self.scheme
@@ -158,6 +165,7 @@ class LeafPlan:
             sds(codes, np.int8),
             sds(self.scale_shape(), np.float32),
             None if s.symmetric else sds(self.scale_shape(), np.int32),
+            None if self.sum_axes is None else sds(self.sums_shape(), np.int32),
             shape=self.shape,
             dtype=self.dtype,
             bits=s.bits,
@@ -186,10 +194,14 @@ def to_qarray(
     else:
         scale = to_leaf(np.asarray(scale, np.float32), plan.chain).reshape(plan.scale_shape())
         zp = to_leaf(np.asarray(zp, np.int32), plan.chain).reshape(plan.scale_shape())
+    sums = None
+    if plan.sum_axes is not None:
+        sums = codes.astype(np.int64).sum(axis=plan.sum_axes, keepdims=True).astype(np.int32)
     return QArray(
         jnp.asarray(pack_int4(codes) if s.bits <= 4 else codes),
         jnp.asarray(scale),
         None if s.symmetric else jnp.asarray(zp),
+        None if sums is None else jnp.asarray(sums),
         shape=plan.shape,
         dtype=plan.dtype,
         bits=s.bits,

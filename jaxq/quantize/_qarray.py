@@ -63,14 +63,35 @@ class QArray:
       scale: float32, broadcastable to ``shape``; with ``group_size`` its ``group_axis`` holds one
         entry per group of ``group_size`` consecutive elements.
       zero_point: int32 like ``scale`` (in code units, offset like the codes), or None (symmetric).
-      shape, dtype: the float array it stands for. bits: code width.
+      sums: int32 sums of the codes over the axes the layer contracts (kept as size-1 axes), or
+        None. Stored where the layer's activations have a zero point, whose term
+        ``zero_point_a * sum(w)`` would otherwise read the whole weight again on every call.
+      shape: the shape of the float array it stands for.
+      dtype: the dtype of the float array it stands for (what ``dequantize`` returns).
+      bits: code width in bits.
+      group_axis: with grouped scales, the axis of ``scale`` that runs over the groups; else None.
+      group_size: with grouped scales, how many consecutive elements share a scale; else None.
     """
+
+    codes: Any
+    scale: Any
+    zero_point: Any
+    sums: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    bits: int
+    group_axis: int | None
+    group_size: int | None
+    _keyed: tuple[tuple[str, Any], ...]
+    _leaves: tuple[Any, ...]
+    _aux: tuple[Any, ...]
 
     def __init__(
         self,
         codes: Any,
         scale: Any,
         zero_point: Any = None,
+        sums: Any = None,
         *,
         shape: tuple[int, ...],
         dtype: Any,
@@ -78,43 +99,47 @@ class QArray:
         group_axis: int | None = None,
         group_size: int | None = None,
     ) -> None:
-        self.codes, self.scale, self.zero_point = codes, scale, zero_point
-        self.shape = tuple(int(n) for n in shape)
-        self.dtype = np.dtype(dtype)
-        self.bits = int(bits)
-        self.group_axis, self.group_size = group_axis, group_size
-        # static metadata, computed once: flattening runs on every call of a jitted function
-        self._aux = (
-            self.shape,
-            self.dtype.name,
-            self.bits,
-            group_axis,
-            group_size,
-            zero_point is not None,
+        arrays = {"codes": codes, "scale": scale, "zero_point": zero_point, "sums": sums}
+        set_ = object.__setattr__  # (immutable: flattening reuses what is computed here)
+        for k, v in arrays.items():
+            set_(self, k, v)
+        set_(self, "shape", tuple(int(n) for n in shape))
+        set_(self, "dtype", np.dtype(dtype))
+        set_(self, "bits", int(bits))
+        set_(self, "group_axis", group_axis)
+        set_(self, "group_size", group_size)
+        # flattening runs on every call of a jitted function: children and static metadata are
+        # computed once
+        set_(self, "_keyed", tuple((k, v) for k, v in arrays.items() if v is not None))
+        set_(self, "_leaves", tuple(v for _, v in self._keyed))
+        aux = (self.shape, self.dtype.name, self.bits, group_axis, group_size)
+        set_(self, "_aux", (*aux, zero_point is not None, sums is not None))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"QArray is immutable (it is a pytree node); make a new one instead of setting "
+            f"{name!r}, e.g. jax.tree.map over it"
         )
 
     # -- pytree -----------------------------------------------------------------------------------
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        if self.zero_point is None:
-            return (self.codes, self.scale), self._aux
-        return (self.codes, self.scale, self.zero_point), self._aux
+        return self._leaves, self._aux
 
     def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
         key = jax.tree_util.GetAttrKey
-        children = [(key("codes"), self.codes), (key("scale"), self.scale)]
-        if self.zero_point is not None:
-            children.append((key("zero_point"), self.zero_point))
-        return children, self._aux
+        return [(key(k), v) for k, v in self._keyed], self._aux
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: list[Any]) -> QArray:
-        shape, dtype, bits, group_axis, group_size, has_zp = aux
+        shape, dtype, bits, group_axis, group_size, has_zp, has_sums = aux
         codes, scale, *rest = children
-        zp = rest[0] if has_zp else None
+        zp = rest.pop(0) if has_zp else None
+        sums = rest.pop(0) if has_sums else None
         return cls(
             codes,
             scale,
             zp,
+            sums,
             shape=shape,
             dtype=dtype,
             bits=bits,
@@ -125,12 +150,13 @@ class QArray:
     # -- values -----------------------------------------------------------------------------------
     @property
     def ndim(self) -> int:
+        """``len(shape)``."""
         return len(self.shape)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stored arrays (what a checkpoint of this weight costs)."""
-        arrays = (self.codes, self.scale, self.zero_point)
+        arrays = (self.codes, self.scale, self.zero_point, self.sums)
         return int(
             sum(
                 np.dtype(a.dtype).itemsize * math.prod(np.shape(a)) for a in arrays if a is not None

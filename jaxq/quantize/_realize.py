@@ -12,15 +12,16 @@
   precomputed. Padded positions of a convolution hold code 0; the zero-point terms of each
   window's real positions are convolutions of a mask (constants XLA folds).
 * Convolutions XLA:CPU has no fast int8 kernel for carry their exact integer sums in f32 (bound
-  < 2**24): any layout but channels-last, and 16 or fewer channels on both sides; those with at
-  most 16 products per output (a 3x3 kernel on one channel) run as shifted slices times weight
-  rows in one fused loop.
+  < 2**24): any layout but channels-last, and too few channels (``_tuning``); those with at most
+  16 products per output (a 3x3 kernel on one channel) run as shifted slices times weight rows in
+  one fused loop.
 * Requantize: the int32 accumulator times the float scale ``sa * sw`` (fused by XLA), or an
   integer-only fixed-point multiplier and rounding shift to int8 codes (``_fixed_point``), which are
   then dequantized at the float boundary.
-* A 1-row matmul (batch 1) carries its integer sums in f32 when they provably stay below 2**24
-  (bit-exact with the int32 result): XLA:CPU widens a 1-row s8 dot to s32. When the bound does
-  not hold, the row is duplicated so the s8 dot takes the fast kernel (2 rows or more).
+* Matmuls of very few rows (batch 1) carry their integer sums in f32 where the running XLA's s8
+  kernel is slow for them and the sums provably stay below 2**24 (bit-exact with the int32
+  result); or a single row is duplicated so the s8 dot takes the fast kernel. Which XLA build
+  wants which is a measured table per jax version (``_tuning``, ``benchmarks/bench_kernels.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from jaxq.quantize._state import (
     shaped_aval,
     with_state,
 )
+from jaxq.quantize._tuning import current_tuning
 from jaxq.transform import Pass, program_pass
 
 # ---- weight storage -----------------------------------------------------------------------------
@@ -78,9 +80,12 @@ def _nonzero(v: Any) -> bool:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-FLOAT_CARRY_MAX_ROWS = 1
-"""Matmuls with at most this many activation rows carry their exact integer sums in f32 (see
-:func:`_carry`): XLA:CPU has no fast s8 kernel for matrix-vector products."""
+def _code_sums(qw: QWeight, axes: tuple[int, ...]) -> Any:
+    """The codes' sums over ``axes`` (kept): a param's stored ones (a QArray's ``sums``, so no
+    call reads the weight twice), else folded on the host, or summed in the program."""
+    if qw.sums is not None:
+        return qw.sums
+    return _xp(qw.codes).sum(qw.codes.astype(np.int32), axis=tuple(axes), keepdims=True)
 
 
 def _host(*vs: Any) -> bool:
@@ -180,8 +185,9 @@ def _int_dot(
     a_contract = (lc, rc)[ai]
     a_free = [d for d in range(len(a_shape)) if d not in a_contract and d not in (lb, rb)[ai]]
     rows = math.prod(a_shape[d] for d in (*a_free, *(lb, rb)[ai]))
-    if rows <= FLOAT_CARRY_MAX_ROWS and exact_f32:
-        # exact integer sums carried in f32 (no s8 kernel for a matrix-vector product on CPU)
+    tune = current_tuning()
+    if rows <= tune.float_carry_max_rows and exact_f32:
+        # exact integer sums carried in f32 (where this XLA's s8 kernel is slow for so few rows)
         # (the zero point is subtracted from the codes first: still integers, and no correction)
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
         if not (scheme.symmetric and scheme.signed):
@@ -190,8 +196,9 @@ def _int_dot(
         acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
         return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract, centered=True)
     qa, za_s = _quantize_act(a, scheme, sa, za)
-    pad_rows = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
-    # a 1-row s8 dot is slow on XLA:CPU; 2 rows take the fast kernel
+    one_row = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
+    # a 1-row s8 dot is slow on some XLA:CPU builds (widened to s32); 2 rows take the fast kernel
+    pad_rows = one_row and (tune.s8_pad_single_row or rows <= tune.float_carry_max_rows)
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
     ops = (qa_in, wq) if wi == 1 else (wq, qa_in)
     acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.int32)
@@ -224,8 +231,7 @@ def _dot_finish(
     to_out_a = lambda v: dot_to_out(v, ai, dn, ranks)
     to_out_w = lambda v: dot_to_out(v, wi, dn, ranks)
     if zp_a:
-        colsum = _xp(qw.codes).sum(qw.codes.astype(np.int32), axis=w_contract, keepdims=True)
-        acc = acc - to_out_a(za_s) * to_out_w(colsum)
+        acc = acc - to_out_a(za_s) * to_out_w(_code_sums(qw, w_contract))
     if zp_w:
         k = math.prod(qw.codes.shape[d] for d in w_contract)
         zw = qw.zero_point
@@ -290,15 +296,6 @@ def _channels_last(dn: Any) -> bool:
     spatial = tuple(range(1, nsp + 1))
     act = (0, nsp + 1, *spatial)
     return dn.lhs_spec == act and dn.out_spec == act and dn.rhs_spec == (nsp + 1, nsp, *range(nsp))
-
-
-S8_CONV_MIN_CHANNELS = 16
-"""XLA:CPU's fast int8 convolution (YNNPACK) needs more input or output channels than this."""
-
-CONV_TAPS_MAX = 16
-"""A convolution with at most this many products per output (kernel positions x input channels,
-e.g. a 3x3 kernel on one channel) runs as a sum of shifted slices times weight rows, in one fused
-loop: XLA:CPU's convolution kernels are slow for so few input channels."""
 
 
 def _conv_by_taps(x: jax.Array, w: jax.Array, p: Any, out_shape: tuple[int, ...]) -> jax.Array:
@@ -372,21 +369,23 @@ def _int_conv(
             preferred_element_type=out_dtype,
         )
 
+    tune = current_tuning()
     taps = math.prod(wq.shape[d] for d in dn.rhs_spec[1:])  # products per output
     direct = (
-        taps <= CONV_TAPS_MAX and p["feature_group_count"] == 1 and all(d == 1 for d in lhs_dil)
+        taps <= tune.conv_taps_max
+        and p["feature_group_count"] == 1
+        and all(d == 1 for d in lhs_dil)
     )
     a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
-    channels = (a_shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]])
-    f32_carry = exact_f32 and (
-        direct or not _channels_last(dn) or max(channels) <= S8_CONV_MIN_CHANNELS
-    )
+    c_in, c_out = a_shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]]
+    s8_fast = _channels_last(dn) and max(c_in, c_out) >= tune.s8_conv_min_channels
+    f32_carry = exact_f32 and (direct or not s8_fast)
     qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32 if f32_carry else jnp.int8)
     if f32_carry:
         # XLA:CPU runs an int8 convolution fast only in channels-last layout (NHWC / HWIO) and
-        # with more than 16 input or output channels; otherwise it widens to an s32 loop
-        # (measured, batch 256, 8x8, 3x3: NCHW 32 -> 64 155 ms against 3.4 ms NHWC; NHWC 16 -> 16
-        # 8.5 ms against 1.6 ms in f32), and transposing the operands does not help (XLA folds the
+        # with enough channels (the tuning table); otherwise it widens to an s32 loop (measured,
+        # batch 256, 8x8, 3x3: NCHW 32 -> 64 155 ms against 3.4 ms NHWC; NHWC 16 -> 16 6x the f32
+        # time on jax 0.10.2 and 0.12), and transposing the operands does not help (XLA folds the
         # transposes back). The exact integer sums are carried in f32 instead (bound < 2**24):
         # centered codes, so padding is a real zero and no zero-point term is left.
         centered = lambda q, z: (
@@ -417,10 +416,8 @@ def _int_conv(
     ones_k = jnp.ones(wq.shape, jnp.int8)
     w_axes = tuple(d for d in range(wq.ndim) if d != site.channel_axis)
     if zp_a:
-        if borders:
-            wsum = conv(mask, wq)  # [1, out spatial..., O]: sum of w over real positions
-        else:
-            wsum = per_channel(_xp(qw.codes).sum(qw.codes.astype(np.int32), axis=w_axes))
+        # with borders: [1, out spatial..., O], the sums of w over each window's real positions
+        wsum = conv(mask, wq) if borders else per_channel(_code_sums(qw, w_axes).reshape(-1))
         acc = acc - per_sample(za_s) * wsum
     zw = qw.zero_point.reshape(-1) if qw.zero_point.size > 1 else qw.zero_point.reshape(())
     if _nonzero(zw):
@@ -525,6 +522,7 @@ def realize_handler(state: QState) -> SiteHandler:
 
 def realize_program(program: Program, config: QConfig | None = None) -> Program:
     state = get_state(program, "realize")
+    current_tuning()  # a bad PassContext entry fails here, not inside the first layer
     if config is not None and config != state.config:
         raise QuantizeError(
             "realize: config differs from the one the program was annotated with; annotate "

@@ -90,6 +90,7 @@ class QWeight:
     group_scale: Any = None  # [channels, groups] for granularity="group"
     group_zero_point: Any = None
     method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
+    sums: Any = None  # a param's stored code sums over the contracted axes (kept), or None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -1,0 +1,72 @@
+"""Which integer lowering realize picks, per XLA build: kernel facts measured per jaxlib version.
+
+realize chooses, per layer, between XLA:CPU's int8 x int8 -> int32 kernels and exact integer sums
+carried in float32 (bit-exact while they stay below 2**24). Which one is faster is a measured fact
+about one XLA build, not about jaxq: between jax 0.10.2 and 0.12 the same s8 dot went from as slow
+as f32 to twice as fast, and the s8 convolution from no faster than f32 to twice as fast.
+``benchmarks/bench_kernels.py`` measures the facts on the running jaxlib and prints the entry they
+imply; this table holds one entry per version, and the newest entry not newer than the running jax
+is used (the oldest for older versions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxq import _compat as C
+from jaxq.transform import PassContext
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Thresholds of realize's lowering choices (all measured on XLA:CPU, see the module doc)."""
+
+    float_carry_max_rows: int
+    """Matmuls with at most this many activation rows carry their exact integer sums in f32
+    instead of running the s8 kernel (0: never)."""
+    s8_conv_min_channels: int
+    """Channels-last convolutions run the s8 kernel when their input or output channels reach
+    this; narrower ones carry their sums in f32 (measured: 16 -> 16 and 16 -> 8 run 3-7x slower
+    in s8 than in f32, 32 -> 16 and 4 -> 32 do not)."""
+    s8_pad_single_row: bool = True
+    """A one-row matmul that does not carry f32 sums runs the s8 kernel on its row twice (some
+    builds widen a one-row s8 dot to s32)."""
+    conv_taps_max: int = 16
+    """Convolutions with at most this many products per output (kernel positions x input channels,
+    e.g. a 3x3 kernel on one channel) run as shifted slices times weight rows in one fused loop."""
+
+
+TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
+    # (jax version measured on, the entry bench_kernels.py implied there; 2-core AVX-512 VNNI)
+    # 0.10.2: one row through s8 twice beats f32 sums (0.87 / 1.46 / 0.67 of float vs 0.92 /
+    # 1.88 / 0.90 at 512x64, 512x512, 1024x1024)
+    ((0, 10, 2), Tuning(float_carry_max_rows=0, s8_pad_single_row=True, s8_conv_min_channels=17)),
+    # 0.12: f32 sums for one row are as fast as s8 (1.05 / 0.80 vs 1.05 / 0.85), s8 is
+    # faster from 2 rows on
+    ((0, 12, 0), Tuning(float_carry_max_rows=1, s8_pad_single_row=True, s8_conv_min_channels=17)),
+)
+
+
+def current_tuning() -> Tuning:
+    """What realize uses: ``PassContext(config={"quantize.tuning": Tuning(...)})`` where given
+    (an entry measured on another machine), else the table's entry for the running jax."""
+    given = PassContext.current().config.get("quantize.tuning")
+    if given is None:
+        return tuning()
+    if not isinstance(given, Tuning):
+        raise TypeError(
+            'PassContext config "quantize.tuning" must be a jaxq.quantize.Tuning; got '
+            f"{type(given).__name__}"
+        )
+    return given
+
+
+def tuning(version: tuple[int, ...] | None = None) -> Tuning:
+    """The entry for ``version`` (default: the running jax): the newest measured on a version not
+    newer than it, or the oldest entry for older versions."""
+    v = C.JAX_VERSION if version is None else tuple(version)
+    entry = TABLE[0][1]
+    for measured_on, t in TABLE:
+        if measured_on <= v:
+            entry = t
+    return entry
