@@ -13,13 +13,13 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import jaxq
 import jaxq.quantize as Q
 from jaxq.quantize import QConfig, Scheme
 
@@ -137,35 +137,6 @@ def accuracy(fn, x, y) -> float:
     return float((pred == y).mean() * 100)
 
 
-def latencies_us(fns: dict, x, rounds: int, calls: int) -> dict[str, np.ndarray]:
-    """Jitted call latency per variant: ``rounds`` interleaved rounds of ``calls`` calls each (so
-    load from other processes hits every variant alike); returns each round's median."""
-    jitted = {k: jax.jit(f) for k, f in fns.items()}
-    for f in jitted.values():
-        for _ in range(10):
-            f(x).block_until_ready()
-    per_round: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in jitted.items():
-            ts = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                f(x).block_until_ready()
-                ts.append(time.perf_counter() - t0)
-            per_round[k].append(float(np.median(ts)))
-    return {k: np.asarray(v) * 1e6 for k, v in per_round.items()}
-
-
-def speedup(base: np.ndarray, other: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
-    """Median of the per-round ratios base / other (rounds are interleaved, so each ratio pairs
-    two measurements under the same load) and a bootstrap 95% interval of that median."""
-    ratios = base / other
-    rng = np.random.default_rng(seed)
-    boot = np.median(rng.choice(ratios, (2000, len(ratios))), axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(np.median(ratios)), float(lo), float(hi)
-
-
 def float_bytes(params: dict) -> int:
     return int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(params)))
 
@@ -189,8 +160,9 @@ def run(reps: int) -> list[dict]:
         variants = {"float": f}
         for label, cfg in CONFIGS.items():
             variants[label] = Q(f, calibration=calib, config=cfg, progress=False)
-        lat1 = latencies_us(variants, xte[:1], rounds=reps // 10, calls=50)
-        lat256 = latencies_us(variants, xte[:256], rounds=reps // 10, calls=5)
+        jitted = {k: jax.jit(f) for k, f in variants.items()}
+        t1 = jaxq.compare_timing(jitted, xte[:1], rounds=reps, warmup=10)
+        t256 = jaxq.compare_timing(jitted, xte[:256], rounds=max(reps // 5, 20), warmup=3)
         for label, fn in variants.items():
             pbytes = float_bytes(params) if label == "float" else fn.report().param_bytes
             rows.append(
@@ -198,19 +170,19 @@ def run(reps: int) -> list[dict]:
                     "model": kind,
                     "variant": label,
                     "accuracy": accuracy(fn, xte, yte),
-                    "latency_b1_us": float(np.median(lat1[label])),
-                    "latency_b1_min_us": float(np.min(lat1[label])),
-                    "latency_b256_us": float(np.median(lat256[label])),
-                    "latency_b256_min_us": float(np.min(lat256[label])),
+                    "latency_b1_us": 1e3 * t1[label].ms,
+                    "latency_b1_min_us": 1e6 * min(t1[label].times),
+                    "latency_b256_us": 1e3 * t256[label].ms,
+                    "latency_b256_min_us": 1e6 * min(t256[label].times),
                     "param_bytes": pbytes,
                 }
             )
         base = rows[-len(variants)]
         for r in rows[-len(variants) :]:
             r["acc_drop"] = base["accuracy"] - r["accuracy"]
-            for b, lat in (("b1", lat1), ("b256", lat256)):
-                x, lo, hi = speedup(lat["float"], lat[r["variant"]])
-                r[f"speedup_{b}"], r[f"speedup_{b}_ci"] = x, [lo, hi]
+            for b, t in (("b1", t1), ("b256", t256)):
+                row = t[r["variant"]]
+                r[f"speedup_{b}"], r[f"speedup_{b}_ci"] = row.speedup, list(row.interval)
             r["bytes_ratio"] = r["param_bytes"] / base["param_bytes"]
     return rows
 
@@ -260,9 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = run(args.reps)
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].platform}; latency: median (and min) over "
-        f"{args.reps // 10} interleaved rounds of the per-round median of jitted calls; x = "
-        "speedup over float (median of the per-round ratios)"
+        f"jax {jax.__version__}, {jax.devices()[0].platform}; latency: median (and min) of "
+        f"jitted calls, all variants called round by round ({args.reps} rounds at batch 1, "
+        f"{max(args.reps // 5, 20)} at 256); x = speedup over float (median of the per-round "
+        "ratios)"
     )
     print(table(rows))
     print("\n".join(goals(rows)))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -92,28 +91,6 @@ HELD_OUT = [
     "The professor explained the theorem clearly.",
     "A baby is sleeping in the crib.",
 ]
-
-
-def _interleaved_ms(fs: dict[str, Any], *args: Any, rounds: int = 30) -> dict[str, Any]:
-    """Per function: the median latency (ms) and the median of its per-round time ratio to the
-    first (float), the calls interleaved round by round on the same inputs, so load from
-    elsewhere on the machine falls on every variant alike."""
-    for f in fs.values():
-        jax.block_until_ready(f(*args))
-    times: dict[str, list[float]] = {k: [] for k in fs}
-    for _ in range(rounds):
-        for k, f in fs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append(time.perf_counter() - t0)
-    base = times[next(iter(fs))]
-    return {
-        k: (
-            1e3 * statistics.median(ts),
-            statistics.median(b / t for b, t in zip(base, ts, strict=True)),
-        )
-        for k, ts in times.items()
-    }
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -206,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "kept_float": list(found.kept_float),
         }
         jitted[name] = jax.jit(found.function)
-    for name, (ms, speedup) in _interleaved_ms(jitted, ids, mask).items():
-        results[name].update(latency_ms=ms, speedup=speedup)
+    for t in jaxq.compare_timing(jitted, ids, mask, rounds=30).rows:
+        results[t.name].update(latency_ms=t.ms, speedup=t.speedup)
     print(f"\n{'model':<22}{'cos mean':>10}{'cos min':>10}{'latency ms':>12}{'vs float':>10}")
     for name, r in results.items():
         cm = f"{r['cosine_mean']:.5f}" if "cosine_mean" in r else "1"

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -29,20 +26,6 @@ import jaxq
 
 sys.path.insert(0, str(Path(__file__).parent))
 import digits  # noqa: E402
-
-
-def median_ms(fs: list[Callable[[Any], Any]], x: np.ndarray, runs: int) -> list[float]:
-    """Median latency of each function, the calls interleaved so that load from elsewhere on the
-    machine falls on all of them alike."""
-    for f in fs:
-        jax.block_until_ready(f(x))
-    times: list[list[float]] = [[] for _ in fs]
-    for _ in range(runs):
-        for f, ts in zip(fs, times, strict=True):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t0)
-    return [1e3 * statistics.median(ts) for ts in times]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,20 +61,32 @@ def main(argv: list[str] | None = None) -> None:
     q_jit = lambda x: int8_apply(qf.params, x)
     acc_f = digits.accuracy(f_jit, data.x_test, data.y_test)
     acc_q = digits.accuracy(q_jit, data.x_test, data.y_test)
+    # float and int8 called round by round on the same inputs: paired speed-ups survive a re-run
+    variants = {"float32": f_jit, "jaxq W8A8": q_jit}
     b1, b256 = data.x_test[:1], np.concatenate([data.x_test] * 2)[:256]
-    (f1, q1), (f256, q256) = median_ms([f_jit, q_jit], b1, 300), median_ms([f_jit, q_jit], b256, 50)
+    t1 = jaxq.compare_timing(variants, b1, rounds=400)
+    t256 = jaxq.compare_timing(variants, b256, rounds=60)
     rows = [
-        ("float32", acc_f, f1, f256, sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))),
-        ("jaxq W8A8", acc_q, q1, q256, qf.report().param_bytes),
+        ("float32", acc_f, sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))),
+        ("jaxq W8A8", acc_q, qf.report().param_bytes),
     ]
-    print(f"{'model':<12}{'accuracy':>10}{'batch 1 ms':>12}{'batch 256 ms':>14}{'param bytes':>13}")
-    for name, acc, l1, l256, nbytes in rows:
-        print(f"{name:<12}{acc:>10.4f}{l1:>12.3f}{l256:>14.3f}{nbytes:>13,}")
-    drop = 100 * (acc_f - acc_q)
     print(
-        f"\naccuracy drop {drop:+.2f} points; int8 params are {100 * rows[1][4] / rows[0][4]:.1f}% "
-        f"of float; batch-256 speed-up {rows[0][3] / rows[1][3]:.2f}x, batch-1 "
-        f"{rows[0][2] / rows[1][2]:.2f}x"
+        f"{'model':<12}{'accuracy':>10}{'param bytes':>13}{'batch 1 ms':>12}{'speed-up':>10}"
+        f"{'batch 256 ms':>14}{'speed-up':>10}"
+    )
+    for name, acc, nbytes in rows:
+        r1, r256 = t1[name], t256[name]
+        print(
+            f"{name:<12}{acc:>10.4f}{nbytes:>13,}{r1.ms:>12.3f}{r1.speedup:>9.2f}x"
+            f"{r256.ms:>14.3f}{r256.speedup:>9.2f}x"
+        )
+    drop = 100 * (acc_f - acc_q)
+    (lo1, hi1), (lo256, hi256) = t1["jaxq W8A8"].interval, t256["jaxq W8A8"].interval
+    print(
+        f"\naccuracy drop {drop:+.2f} points; int8 params are {100 * rows[1][2] / rows[0][2]:.1f}% "
+        f"of float; speed-up (median of per-round float/int8 times, 95% interval): batch 256 "
+        f"{t256['jaxq W8A8'].speedup:.2f}x ({lo256:.2f}-{hi256:.2f}), batch 1 "
+        f"{t1['jaxq W8A8'].speedup:.2f}x ({lo1:.2f}-{hi1:.2f}) on jax {jax.__version__}"
     )
     report = qf.report(sample=(data.x_test[:128],))
     print("\nper-layer report (SQNR of each layer's output vs float on 128 test images):")

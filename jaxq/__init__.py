@@ -14,6 +14,9 @@ from jaxq._serialize import load as load
 from jaxq._sharding import constant_shardings as constant_shardings
 from jaxq._sharding import split_constants as split_constants
 from jaxq._taps import intermediates as intermediates
+from jaxq._timing import Timing as Timing
+from jaxq._timing import TimingTable as TimingTable
+from jaxq._timing import compare_timing as compare_timing
 from jaxq.partition import build as build
 from jaxq.quantize import QArray as QArray
 from jaxq.quantize import QConfig as QConfig

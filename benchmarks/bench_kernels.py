@@ -1,0 +1,174 @@
+"""The XLA:CPU kernel facts behind realize's lowering choices, measured on the running jaxlib.
+
+realize picks, per layer, between an int8 x int8 -> int32 kernel and exact integer sums carried in
+float32 (and, for convolutions with very few products per output, shifted slices). Which is faster
+is a fact about one XLA build, and it changes between versions (jax 0.10.2 and 0.12 differ by 2x on
+the same s8 dot). This script measures each choice on the shapes that decide it, every variant
+timed round by round on the same inputs (paired ratios: median of per-round time / float time),
+and prints the ``jaxq.quantize.tuning`` entry the measurements imply next to the one in use:
+
+    python benchmarks/bench_kernels.py [--json PATH] [--reps 60]
+
+The table in ``jaxq/quantize/_tuning.py`` holds one entry per jaxlib version, chosen at import;
+paste a new version's printed entry there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxq
+from jaxq.quantize import tuning
+
+DN = ("NHWC", "HWIO", "NHWC")
+CONVS = ((4, 32), (8, 32), (16, 8), (16, 16), (16, 32), (32, 16), (32, 32), (64, 16), (64, 64))
+"""(input, output) channels of the measured convolutions: few on either side are the question."""
+
+
+def paired(
+    fs: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]], reps: int
+) -> dict[str, dict[str, float]]:
+    """Median ms of each variant ``name: (function, args)`` and its median per-round time ratio
+    to the first one (below 1 is faster)."""
+    table = jaxq.compare_timing(
+        {k: functools.partial(f, *a) for k, (f, a) in fs.items()}, rounds=reps
+    )
+    return {r.name: {"ms": r.ms, "ratio": 1 / r.speedup} for r in table.rows}
+
+
+def codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(-127, 128, size=shape).astype(np.int8)
+
+
+def dots(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
+    """Matmuls of M rows: float, s8 x s8 -> s32, and the codes' exact sums carried in f32."""
+    f32 = jax.jit(lambda x, w: x @ w)
+    s8 = jax.jit(lambda x, w: lax.dot(x, w, preferred_element_type=jnp.int32).astype(jnp.float32))
+    s8_dup = jax.jit(  # one row duplicated, so the kernel sees two (realize's fallback)
+        lambda x, w: lax.dot(jnp.concatenate([x, x]), w, preferred_element_type=jnp.int32)[:1]
+    )
+    carry = jax.jit(lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32))
+    rows = []
+    for k, n in ((512, 64), (512, 512), (1024, 1024)):
+        for m in (1, 2, 4, 8, 32, 256):
+            xf, wf = (
+                rng.normal(size=(m, k)).astype(np.float32),
+                rng.normal(size=(k, n)).astype(np.float32),
+            )
+            xi, wi = codes(rng, (m, k)), codes(rng, (k, n))
+            fs = {
+                "float": (f32, (xf, wf)),
+                "s8": (s8, (xi, wi)),
+                "f32 carry": (carry, (xi, wi)),
+            }
+            if m == 1:
+                fs["s8 2 rows"] = (s8_dup, (xi, wi))
+            rows.append({"op": "dot", "shape": f"{m}x{k} @ {k}x{n}", "m": m, **paired(fs, reps)})
+    return rows
+
+
+def convs(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
+    """3x3 NHWC convolutions (zero-padded input, as realize pads with the zero point)."""
+
+    def conv(x: jax.Array, w: jax.Array, pref: Any = None) -> jax.Array:
+        return lax.conv_general_dilated(
+            x, w, (1, 1), "VALID", dimension_numbers=DN, preferred_element_type=pref
+        )
+
+    f32 = jax.jit(conv)
+    s8 = jax.jit(lambda x, w: conv(x, w, jnp.int32).astype(jnp.float32))
+    carry = jax.jit(lambda x, w: conv(x.astype(jnp.float32), w.astype(jnp.float32)))
+    rows = []
+    for batch in (256, 8):
+        for cin, cout in CONVS:
+            shape = (batch, 10, 10, cin)
+            xf = rng.normal(size=shape).astype(np.float32)
+            wf = rng.normal(size=(3, 3, cin, cout)).astype(np.float32)
+            xi, wi = codes(rng, shape), codes(rng, (3, 3, cin, cout))
+            fs = {
+                "float": (f32, (xf, wf)),
+                "s8": (s8, (xi, wi)),
+                "f32 carry": (carry, (xi, wi)),
+            }
+            rows.append(
+                {
+                    "op": "conv",
+                    "shape": f"{batch}x8x8 {cin}->{cout}",
+                    "batch": batch,
+                    "cin": cin,
+                    "cout": cout,
+                    **paired(fs, reps),
+                }
+            )
+    return rows
+
+
+def _cost(rows: list[dict[str, Any]], pick: Callable[[dict[str, Any]], str]) -> float:
+    """Total log time ratio to float of the variants a rule picks (lower is faster)."""
+    return sum(math.log(r[pick(r)]["ratio"]) for r in rows)
+
+
+def implied(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tuning entry the measurements imply (see ``jaxq.quantize.Tuning``): of each rule's
+    candidate thresholds, the one whose picks cost least over the measured shapes."""
+    dot = [r for r in rows if r["op"] == "dot"]
+    one = [r for r in dot if r["m"] == 1]
+    pad = _cost(one, lambda r: "s8 2 rows") <= _cost(one, lambda r: "s8")
+    fallback = "s8 2 rows" if pad else "s8"
+    carry = min(
+        (0, *sorted({r["m"] for r in dot})),
+        key=lambda c: (
+            _cost(dot, lambda r: "f32 carry" if r["m"] <= c else fallback if r["m"] == 1 else "s8"),
+            c,
+        ),
+    )
+    conv = [r for r in rows if r["op"] == "conv"]
+    widest = lambda r: max(r["cin"], r["cout"])
+    channels = min(
+        sorted({widest(r) + 1 for r in conv} | {1}),
+        key=lambda t: (_cost(conv, lambda r: "s8" if widest(r) >= t else "f32 carry"), t),
+    )
+    return {
+        "float_carry_max_rows": carry,
+        "s8_pad_single_row": pad,
+        "s8_conv_min_channels": channels,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = dots(rng, args.reps) + convs(rng, args.reps)
+    print(f"jax {jax.__version__}, jaxlib {jax.lib.__version__}; time / float time, paired medians")
+    print(f"{'op':<6}{'shape':<26}{'float ms':>10}{'s8':>8}{'f32 carry':>11}{'s8 2 rows':>11}")
+    for r in rows:
+        dup = f"{r['s8 2 rows']['ratio']:>11.2f}" if "s8 2 rows" in r else ""
+        print(
+            f"{r['op']:<6}{r['shape']:<26}{r['float']['ms']:>10.3f}{r['s8']['ratio']:>8.2f}"
+            f"{r['f32 carry']['ratio']:>11.2f}{dup}"
+        )
+    entry = implied(rows)
+    print(f"\nimplied entry: {entry}")
+    print(f"in use:        {tuning()}")
+    out = {"jax": jax.__version__, "rows": rows, "implied": entry}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return out
+
+
+if __name__ == "__main__":
+    main()
