@@ -4,6 +4,9 @@ from jaxq import annotate as annotate
 from jaxq import partition as partition
 from jaxq import transform as transform
 from jaxq._nnx import module_scopes as module_scopes
+from jaxq._offload import OffloadedFunction as OffloadedFunction
+from jaxq._offload import OffloadWarning as OffloadWarning
+from jaxq._offload import offload as offload
 from jaxq._program import Equation as Equation
 from jaxq._program import Program as Program
 from jaxq._program import TraceError as TraceError

@@ -27,6 +27,7 @@ from jaxq.quantize._qarray import QArray, is_qarray
 from jaxq.quantize._realize import realize, realize_handler, realize_program
 from jaxq.quantize._report import Report, make_report, sqnr_db
 from jaxq.quantize._state import QState, QuantizeError, get_state, param_spec, with_state
+from jaxq.quantize._tuning import current_tuning
 from jaxq.transform import Sequential
 
 MODES = ("realize", "simulate")
@@ -87,9 +88,11 @@ class QuantizedFunction:
     def _with_params(self) -> bool:
         return self._state.params is not None
 
-    @staticmethod
-    def _key(tree: Any, specs: Any) -> Any:
-        return tree, tuple((tuple(s.shape), str(s.dtype)) for s in specs)  # (key<fry> too)
+    def _key(self, tree: Any, specs: Any) -> Any:
+        """Shapes and dtypes (key<fry> too), and for integer code the lowering table in force
+        (an offload realizes for its backend's kernels)."""
+        shapes = tuple((tuple(s.shape), str(s.dtype)) for s in specs)
+        return tree, shapes, current_tuning() if self.mode == "realize" else None
 
     def _key_of(self, program: Program) -> Any:
         avals = program.jaxpr.in_avals

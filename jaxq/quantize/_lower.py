@@ -61,6 +61,7 @@ from jaxq.quantize._sites import (
     gptq_input_axis,
     make_site,
     nonfinite_rows,
+    poison_rows,
     resolve,
 )
 from jaxq.quantize._state import (
@@ -418,6 +419,6 @@ def simulate_handler(state: QState) -> SiteHandler:
         if state.config.requantize == "fixed_point" and out is not None and scheme is not None:
             y = fake_quant_act(y, np.float32(out.scale), np.float32(out.zero_point), scheme, site)
         bad = None if scheme is None else nonfinite_rows(visit, site, invals[1 - wi])
-        return y if bad is None else jnp.where(bad, jnp.nan, y).astype(y.dtype)
+        return poison_rows(y, bad)
 
     return handle

@@ -46,7 +46,7 @@ from jaxq.quantize._lower import SiteHandler, lower
 from jaxq.quantize._qarray import pack_axis as pack_axis
 from jaxq.quantize._qarray import pack_int4 as pack_int4
 from jaxq.quantize._qarray import unpack_int4 as unpack_int4
-from jaxq.quantize._sites import dot_to_out, nonfinite_rows
+from jaxq.quantize._sites import dot_to_out, nonfinite_rows, poison_rows
 from jaxq.quantize._state import (
     QUANTIZABLE,
     QState,
@@ -484,7 +484,7 @@ def realize_handler(state: QState) -> SiteHandler:
         if site.weights.granularity == "group":
             y = _int_dot_grouped(visit, site, qw, a, sa, za)
             bad = nonfinite_rows(visit, site, a)
-            return (y if bad is None else jnp.where(bad, jnp.nan, y)).astype(out_dtype)
+            return poison_rows(y, bad).astype(out_dtype)
         bad = nonfinite_rows(visit, site, a)
         lower = _int_dot if site.primitive == "dot_general" else _int_conv
         acc, scale = lower(visit, site, qw, a, sa, za, bound < 2**24)
@@ -515,7 +515,7 @@ def realize_handler(state: QState) -> SiteHandler:
         else:
             y = acc.astype(jnp.float32) * scale
         # codes cannot hold NaN or Inf: the rows that had them come out NaN, as simulated
-        return (y if bad is None else jnp.where(bad, jnp.float32(jnp.nan), y)).astype(out_dtype)
+        return poison_rows(y, bad).astype(out_dtype)
 
     return handle
 

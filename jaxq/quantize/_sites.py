@@ -210,3 +210,12 @@ def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
         shape[dn.out_spec[0]] = -1
         return per_sample.reshape(shape)
     return None  # (elementwise sites: NaN and Inf pass through as they are)
+
+
+def poison_rows(y: jax.Array, bad: Any) -> jax.Array:
+    """``y`` with NaN in the rows ``bad`` marks (see :func:`nonfinite_rows`), others unchanged:
+    a multiply by a row vector of 1 / NaN, which broadcasts in every runtime (an external one
+    runs it as one vectorized op where a full-size select is slower)."""
+    if bad is None:
+        return y
+    return y * jnp.where(bad, jnp.nan, 1.0).astype(y.dtype)

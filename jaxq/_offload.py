@@ -1,0 +1,182 @@
+"""offload: a quantized function whose integer code runs in an external runtime's int8 kernels.
+
+This is where jaxq's two halves meet, as TVM's bring-your-own-codegen meant them to: realize
+writes integer code (int8 x int8 -> int32 dots and convolutions, requantization, the float ops
+between layers), and the ordinary partition passes hand it to a backend. ``offload`` is only that
+composition, per input shape:
+
+    trace(qf with its params bound)  ->  annotate_target([backend])  ->  merge_compiler_regions()
+        ->  partition_graph()  ->  build(backends={backend: backend})
+
+The params are bound into the traced program, so a region's weights reach the backend as
+constants (ONNX initializers, which ONNX Runtime prepacks) instead of arriving on every call.
+Equations the backend cannot take stay with XLA; each shape that leaves some behind says which,
+once, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxq import _compat as C
+from jaxq._program import Program, trace
+from jaxq.partition import (
+    annotate_target,
+    backend_ops,
+    build,
+    merge_compiler_regions,
+    partition_graph,
+    regions,
+    register_op_support,
+)
+from jaxq.partition._onnx import unsupported_onnx_equation
+from jaxq.quantize import QuantizedFunction, Tuning, tuning
+from jaxq.transform import PassContext, Sequential
+
+TUNING = {
+    "onnxruntime": Tuning(
+        float_carry_max_rows=0, s8_pad_single_row=False, s8_conv_min_channels=1, conv_taps_max=0
+    ),
+}
+"""How realize lowers for a backend's kernels: ONNX Runtime's integer GEMM takes every dot and
+convolution in int8 (XLA:CPU's lowering tricks, f32-carried sums and shifted-slice convolutions,
+only cost it extra elementwise ops)."""
+
+
+class OffloadWarning(UserWarning):
+    """Part of a program stays with XLA because the backend cannot run it."""
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(np.result_type(x)))
+
+
+def _register(backend: str) -> None:
+    """The backend's op-support table, from what its exporter takes (dtype and params limits
+    included), registered as the compiler of the same name."""
+    ops = backend_ops(backend)
+    if ops is None:
+        raise ValueError(
+            f"offload: backend {backend!r} has no table of the primitives it runs; offload "
+            "works with 'onnxruntime' (partition for your own backend with "
+            "jaxq.partition.register_op_support and jaxq.build)"
+        )
+
+    def takes(rec: Any) -> bool:
+        return not unsupported_onnx_equation(rec.eqn)
+
+    for op in ops:
+        register_op_support(backend, op, takes)
+
+
+class OffloadedFunction:
+    """``qf``'s integer function with its backend-supported code in ``backend``'s kernels.
+
+    Call it like ``qf`` (``fast(x)``), eagerly or under ``jax.jit`` / ``jax.vmap`` (the backend
+    runs through ``jax.pure_callback``). Each new input shape is traced, partitioned and built
+    once. ``fast.regions(x)`` lists what runs where for inputs like ``x``; ``fast.program(x)`` is
+    the partitioned Program.
+    """
+
+    def __init__(self, qf: QuantizedFunction, backend: str) -> None:
+        self.qf, self.backend = qf, backend
+        self._built: dict[Any, tuple[Program, Callable[..., Any]]] = {}
+
+    def _get(self, args: tuple[Any, ...]) -> tuple[Program, Callable[..., Any]]:
+        leaves, tree = jax.tree.flatten(args)
+        specs = [_spec(x) for x in leaves]
+        key = (tree, tuple((s.shape, s.dtype) for s in specs))
+        hit = self._built.get(key)
+        if hit is None:
+            qf = self.qf
+            a = jax.tree.unflatten(tree, specs)
+            with PassContext(config={"quantize.tuning": TUNING.get(self.backend, tuning())}):
+                # (the integer program for the backend's kernels, without apply's wrapper)
+                fun = qf.specialize(*a).as_fun()
+            bound = fun if qf.params is None else lambda *x: fun(qf.params, *x)
+            program = trace(bound, *a)
+            passes = [annotate_target([self.backend]), merge_compiler_regions(), partition_graph()]
+            parts = Sequential(passes, name="offload")(program)
+            left = _left_behind(parts)
+            if left:
+                warnings.warn(
+                    f"offload: {sum(left.values())} equation(s) stay with XLA, which "
+                    f"{self.backend!r} cannot run: {dict(sorted(left.items()))}",
+                    OffloadWarning,
+                    stacklevel=3,
+                )
+            hit = self._built[key] = (parts, build(parts, backends={self.backend: self.backend}))
+        return hit
+
+    def __call__(self, *args: Any) -> Any:
+        return self._get(args)[1](*args)
+
+    def program(self, *args: Any) -> Program:
+        """The partitioned Program for inputs shaped like ``args``."""
+        return self._get(args)[0]
+
+    def regions(self, *args: Any) -> list[Any]:
+        """The regions (:class:`jaxq.partition.RegionInfo`) the backend runs for inputs shaped
+        like ``args``."""
+        return regions(self._get(args)[0])
+
+    def __repr__(self) -> str:
+        return f"OffloadedFunction({self.backend!r}, {self.qf!r})"
+
+
+def _left_behind(parts: Program) -> dict[str, int]:
+    """Primitive -> how many equations of it run outside every region (on XLA), not counting
+    the region calls themselves and layout-only glue."""
+    inside = {r.name for r in regions(parts)}
+    glue = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+    out: dict[str, int] = {}
+    for e in parts.jaxpr.jaxpr.eqns:
+        if C.call_name(e) in inside or e.primitive.name in glue:
+            continue
+        out[e.primitive.name] = out.get(e.primitive.name, 0) + 1
+    return out
+
+
+def offload(qf: QuantizedFunction, backend: str = "onnxruntime") -> OffloadedFunction:
+    """``qf``'s integer code run by an external runtime, through jaxq's own partitioner.
+
+    Example::
+
+        qf = jaxq.quantize(model.apply, params, calibration=batches)
+        fast = jaxq.offload(qf, "onnxruntime")      # needs jaxq[onnx]
+        y = jax.jit(fast)(x)                        # int8 regions in ONNX Runtime's kernels
+        print(fast.regions(x))                      # what runs where
+
+    Whatever ``backend`` cannot run stays with XLA, named in an :class:`OffloadWarning`.
+
+    Args:
+      qf: a realized function from :func:`jaxq.quantize` (its params are bound in: the backend
+        gets the weights once, as constants).
+      backend: a backend with a table of the primitives it runs (``"onnxruntime"``).
+    """
+    if not isinstance(qf, QuantizedFunction):
+        raise TypeError(
+            f"offload: expected the QuantizedFunction jaxq.quantize returns; got "
+            f"{type(qf).__name__}"
+        )
+    if qf.mode != "realize":
+        raise ValueError(
+            f"offload: qf runs in mode {qf.mode!r}; offload the integer function "
+            "(jaxq.quantize(..., mode='realize'), or qf.realize(params) after QAT)"
+        )
+    if backend == "onnxruntime":
+        try:
+            import onnx  # noqa: F401
+            import onnxruntime  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "offload to 'onnxruntime' needs the onnx and onnxruntime packages: "
+                "pip install 'jaxq[onnx]'"
+            ) from e
+    _register(backend)
+    return OffloadedFunction(qf, backend)

@@ -1,0 +1,229 @@
+"""jaxq.offload: realized integer code handed to ONNX Runtime through jaxq's own partitioner.
+
+The integer kernels are exact: an int8 x int8 -> int32 dot or convolution in ONNX Runtime
+(MatMulInteger / ConvInteger on activations shifted into uint8) equals XLA's bit for bit. The
+float ops between layers (bias, activations, the float rescale) round in each runtime's own way,
+so an offloaded function matches the XLA-realized one to within a few activation steps (here:
+exactly for the ReLU models, within 2% of the output range where tanh-GELU is in between).
+"""
+
+import builtins
+import functools
+import warnings
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax import lax
+
+import jaxq
+from jaxq.partition._onnx import onnx_codegen
+
+pytest.importorskip("onnxruntime")
+
+RNG = np.random.default_rng(0)
+
+
+def run_onnx(f, *args):
+    """``f`` exported whole to ONNX and run in ONNX Runtime (outside jit)."""
+    return [np.asarray(y) for y in onnx_codegen(jaxq.trace(f, *args))(*args)]
+
+
+def codes(rng, shape, dtype=np.int8):
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max + 1, size=shape).astype(dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 5),  # rows
+    st.integers(1, 40),  # contracted
+    st.integers(1, 9),  # columns
+    st.booleans(),  # a batch axis
+    st.booleans(),  # weights transposed ([out, in], x @ w.T)
+    st.sampled_from([np.int8, np.uint8]),  # activation codes
+    st.integers(0, 2**16),
+)
+def test_int8_dots_equal_xla_bit_for_bit(m, k, n, batched, transposed, a_dtype, seed):
+    rng = np.random.default_rng(seed)
+    b = (3,) if batched else ()
+    x, w = codes(rng, (*b, m, k), a_dtype), codes(rng, (*b, n, k) if transposed else (*b, k, n))
+    contract = ((x.ndim - 1,), (w.ndim - 1 if transposed else w.ndim - 2,))
+    batch = ((0,), (0,)) if batched else ((), ())
+
+    def f(x, w):
+        return lax.dot_general(x, w, (contract, batch), preferred_element_type=jnp.int32)
+
+    (got,) = run_onnx(f, x, w)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, w)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from([("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")]),
+    st.tuples(st.integers(1, 3), st.integers(1, 3)),  # kernel
+    st.tuples(st.integers(1, 2), st.integers(1, 2)),  # strides
+    st.tuples(st.integers(1, 2), st.integers(1, 2)),  # kernel dilation
+    st.sampled_from(["SAME", "VALID", ((1, 0), (0, 2))]),
+    st.sampled_from([1, 2]),  # feature groups
+    st.integers(0, 2**16),
+)
+def test_int8_convolutions_equal_xla_bit_for_bit(dn, ks, strides, dil, pad, groups, seed):
+    # (padded positions: 0 in XLA; the zero point of the uint8-shifted codes in ONNX Runtime)
+    rng = np.random.default_rng(seed)
+    x = codes(rng, (2, 7, 6, 4))  # NHWC
+    w = codes(rng, (*ks, 4 // groups, 6))  # HWIO
+    x = np.transpose(x, ["NHWC".index(c) for c in dn[0]])
+    w = np.transpose(w, ["HWIO".index(c) for c in dn[1]])
+
+    def f(x, w):
+        return lax.conv_general_dilated(
+            x, w, strides, pad, rhs_dilation=dil, dimension_numbers=dn,
+            feature_group_count=groups, preferred_element_type=jnp.int32,
+        )  # fmt: skip
+
+    (got,) = run_onnx(f, x, w)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, w)))
+
+
+def test_the_ops_realize_writes_export_exactly():
+    x = RNG.normal(size=(4, 6, 6, 3)).astype(np.float32) * 3
+    x[1, 2, 3, 0] = np.nan
+    x[0, 0, 0, 0] = 2.5  # ties round to even
+    x[0, 0, 0, 1] = -0.5
+
+    def f(x):
+        q = jnp.clip(jnp.round(x / 0.5) - 3, -128, 127).astype(jnp.int8)
+        pooled = lax.reduce_window(q, np.int8(-128), lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        padded = lax.pad(q, np.int8(5), ((0, 0, 0), (1, 2, 0), (0, 1, 0), (0, 0, 0)))
+        bad = jnp.any(~jnp.isfinite(x), axis=(1, 2, 3))
+        both = jnp.concatenate([q, q], axis=3)[:, ::2, 1:5, :]
+        return pooled, padded, bad, both, lax.clamp(np.int8(-3), q, np.int8(4)), jnp.round(x)
+
+    for got, want in zip(run_onnx(f, x), jax.jit(f)(x), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
+
+
+# ---- offloading quantized functions ---------------------------------------------------------------
+
+
+def mlp(params, x, act=jax.nn.relu):
+    for i, (w, b) in enumerate(params):
+        with jax.named_scope(f"Dense_{i}"):
+            x = x @ w + b
+            x = act(x) if i < len(params) - 1 else x
+    return x
+
+
+def cnn(params, x):
+    for i in range(2):
+        with jax.named_scope(f"Conv_{i}"):
+            y = lax.conv_general_dilated(x, params[f"c{i}"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+            x = jax.nn.relu(y)
+    x = lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    with jax.named_scope("Dense"):
+        return x.reshape(x.shape[0], -1) @ params["d"]
+
+
+def mlp_params(rng, sizes=(24, 48, 10)):
+    return [
+        ((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.zeros(b, np.float32) + 0.1)
+        for a, b in zip(sizes, sizes[1:], strict=False)
+    ]
+
+
+@functools.cache
+def quantized_mlp(act_name="relu"):
+    act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[act_name]
+    params = mlp_params(RNG)
+    f = functools.partial(mlp, act=act)
+    batches = [(RNG.normal(size=(16, 24)).astype(np.float32),) for _ in range(3)]
+    return f, params, jaxq.quantize(f, params, calibration=batches, progress=False)
+
+
+def test_a_realized_mlp_runs_in_one_onnx_region_as_xla_computes_it():
+    f, params, qf = quantized_mlp()
+    fast = jaxq.offload(qf)
+    x = RNG.normal(size=(9, 24)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every equation runs in ONNX Runtime: no OffloadWarning
+        (region,) = fast.regions(x)
+    assert region.compiler == "onnxruntime" and "dot_general" in region.primitives
+    np.testing.assert_array_equal(np.asarray(fast(x)), np.asarray(qf(x)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fast)(x)), np.asarray(qf(x)))
+    v = jax.vmap(fast)(x[:, None])  # the callback's vmap rule: one call per example
+    np.testing.assert_array_equal(np.asarray(v)[:, 0], np.asarray(qf(x)))
+    # the weights are bound into the ONNX model as int8 initializers (prepacked once)
+    run = onnx_codegen(region.program())
+    int8_inits = {tuple(t.dims) for t in run.model.graph.initializer if t.data_type == 3}
+    assert {(24, 48), (48, 10)} <= int8_inits
+    assert [i.name for i in run.session.get_inputs()] == ["in0"]  # the activations only
+    ops = {n.op_type for n in run.model.graph.node}
+    assert "MatMulInteger" in ops and "Einsum" not in ops
+
+
+def test_float_ops_between_layers_round_differently_within_the_stated_bound():
+    f, params, qf = quantized_mlp("gelu")
+    x = RNG.normal(size=(32, 24)).astype(np.float32)
+    got, want = np.asarray(jaxq.offload(qf)(x)), np.asarray(qf(x))
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
+def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
+    rng = np.random.default_rng(1)
+    params = {
+        "c0": (rng.normal(size=(3, 3, 2, 20)) * 0.3).astype(np.float32),
+        "c1": (rng.normal(size=(3, 3, 20, 24)) * 0.1).astype(np.float32),
+        "d": (rng.normal(size=(4 * 4 * 24, 5)) * 0.05).astype(np.float32),
+    }
+    x = rng.normal(size=(3, 8, 8, 2)).astype(np.float32)
+    qf = jaxq.quantize(cnn, params, calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    (region,) = fast.regions(x)
+    assert {"conv_general_dilated", "reduce_window_max", "dot_general"} <= set(region.primitives)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fast)(x)), np.asarray(qf(x)))
+
+
+def test_what_onnx_runtime_cannot_run_stays_with_xla_and_is_named():
+    def f(params, x):
+        with jax.named_scope("Dense_0"):
+            h = jax.nn.relu(x @ params["w"])
+        return jnp.cumsum(h, axis=1)  # no ONNX rule
+
+    params = {"w": RNG.normal(size=(8, 6)).astype(np.float32)}
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    qf = jaxq.quantize(f, params, calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    with pytest.warns(jaxq.OffloadWarning, match=r"stay with XLA.*'cumsum': 1"):
+        y = fast(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(qf(x)), rtol=1e-6, atol=1e-6)
+    assert len(fast.regions(x)) == 1  # (built once per shape: no second warning)
+
+
+def test_bad_input_is_named():
+    f, params, qf = quantized_mlp()
+    with pytest.raises(TypeError, match="QuantizedFunction jaxq.quantize returns; got partial"):
+        jaxq.offload(f)
+    batches = [(RNG.normal(size=(4, 24)).astype(np.float32),)]
+    sim = jaxq.quantize(f, params, calibration=batches, mode="simulate", progress=False)
+    with pytest.raises(ValueError, match="mode 'simulate'.*qf.realize"):
+        jaxq.offload(sim)
+    with pytest.raises(ValueError, match="'xla' has no table"):
+        jaxq.offload(qf, "xla")
+
+
+def test_without_onnxruntime_the_error_names_the_extra(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_ort(name, *args, **kwargs):
+        if name == "onnxruntime":
+            raise ImportError("No module named 'onnxruntime'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ort)
+    with pytest.raises(ImportError, match=r"pip install 'jaxq\[onnx\]'"):
+        jaxq.offload(quantized_mlp()[2])
