@@ -4,8 +4,10 @@
 2. quantizes it with ``jaxq.quantize(apply, params, ...)`` (W8A8 static: int8 per-channel weights,
    int8 activations
    calibrated on training images), which runs real int8 x int8 -> int32 XLA dots and convolutions;
-3. prints float vs int8 test accuracy, jitted CPU latency at batch 1 and 256, parameter bytes, and
-   the per-layer report with each layer's SQNR, worst first;
+3. prints float vs int8 test accuracy, jitted CPU latency at batch 1 and 256 (every variant timed
+   round by round; paired speed-ups), parameter bytes, and the per-layer report with each layer's
+   SQNR, worst first; with ``jaxq[onnx]``, also the int8 function offloaded to ONNX Runtime
+   (``jaxq.offload``) beside the XLA one;
 4. saves the int8 model to one file and runs it back without the model code.
 
 Run: python examples/quantize_digits.py [--steps 600] [--model cnn|mlp] [--out DIR]
@@ -59,31 +61,35 @@ def main(argv: list[str] | None = None) -> None:
     float_apply, int8_apply = jax.jit(apply), jax.jit(qf.apply)
     f_jit = lambda x: float_apply(params, x)
     q_jit = lambda x: int8_apply(qf.params, x)
-    acc_f = digits.accuracy(f_jit, data.x_test, data.y_test)
-    acc_q = digits.accuracy(q_jit, data.x_test, data.y_test)
-    # float and int8 called round by round on the same inputs: paired speed-ups survive a re-run
+    # the same int8 function with its integer code in ONNX Runtime's kernels (jaxq[onnx])
     variants = {"float32": f_jit, "jaxq W8A8": q_jit}
+    try:
+        variants["jaxq W8A8 -> ORT"] = jax.jit(jaxq.offload(qf, "onnxruntime"))
+    except ImportError as e:
+        print(f"(no ONNX Runtime variant: {e})")
+    accuracy = {k: digits.accuracy(fn, data.x_test, data.y_test) for k, fn in variants.items()}
+    acc_f, acc_q = accuracy["float32"], accuracy["jaxq W8A8"]
+    # every variant called round by round on the same inputs: paired speed-ups survive a re-run
     b1, b256 = data.x_test[:1], np.concatenate([data.x_test] * 2)[:256]
     t1 = jaxq.compare_timing(variants, b1, rounds=400)
     t256 = jaxq.compare_timing(variants, b256, rounds=60)
-    rows = [
-        ("float32", acc_f, sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))),
-        ("jaxq W8A8", acc_q, qf.report().param_bytes),
-    ]
+    nbytes = {"float32": sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))}
+    nbytes |= {k: qf.report().param_bytes for k in variants if k != "float32"}
     print(
-        f"{'model':<12}{'accuracy':>10}{'param bytes':>13}{'batch 1 ms':>12}{'speed-up':>10}"
+        f"{'model':<18}{'accuracy':>10}{'param bytes':>13}{'batch 1 ms':>12}{'speed-up':>10}"
         f"{'batch 256 ms':>14}{'speed-up':>10}"
     )
-    for name, acc, nbytes in rows:
+    for name in variants:
         r1, r256 = t1[name], t256[name]
         print(
-            f"{name:<12}{acc:>10.4f}{nbytes:>13,}{r1.ms:>12.3f}{r1.speedup:>9.2f}x"
-            f"{r256.ms:>14.3f}{r256.speedup:>9.2f}x"
+            f"{name:<18}{accuracy[name]:>10.4f}{nbytes[name]:>13,}{r1.ms:>12.3f}"
+            f"{r1.speedup:>9.2f}x{r256.ms:>14.3f}{r256.speedup:>9.2f}x"
         )
     drop = 100 * (acc_f - acc_q)
     (lo1, hi1), (lo256, hi256) = t1["jaxq W8A8"].interval, t256["jaxq W8A8"].interval
     print(
-        f"\naccuracy drop {drop:+.2f} points; int8 params are {100 * rows[1][2] / rows[0][2]:.1f}% "
+        f"\naccuracy drop {drop:+.2f} points; int8 params are "
+        f"{100 * nbytes['jaxq W8A8'] / nbytes['float32']:.1f}% "
         f"of float; speed-up (median of per-round float/int8 times, 95% interval): batch 256 "
         f"{t256['jaxq W8A8'].speedup:.2f}x ({lo256:.2f}-{hi256:.2f}), batch 1 "
         f"{t1['jaxq W8A8'].speedup:.2f}x ({lo1:.2f}-{hi1:.2f}) on jax {jax.__version__}"
