@@ -152,7 +152,10 @@ def offload(qf: QuantizedFunction, backend: str = "onnxruntime") -> OffloadedFun
         y = jax.jit(fast)(x)                        # int8 regions in ONNX Runtime's kernels
         print(fast.regions(x))                      # what runs where
 
-    Whatever ``backend`` cannot run stays with XLA, named in an :class:`OffloadWarning`.
+    Whatever ``backend`` cannot run stays with XLA, named in an :class:`OffloadWarning`. The
+    backend's op support (what its exporter takes, dtype and param limits included) is registered
+    as the compiler of the same name (:func:`jaxq.partition.register_op_support`), so the
+    partition passes can be run by hand too.
 
     Args:
       qf: a realized function from :func:`jaxq.quantize` (its params are bound in: the backend
