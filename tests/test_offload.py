@@ -166,6 +166,28 @@ def test_a_realized_mlp_runs_in_one_onnx_region_as_xla_computes_it():
     assert "MatMulInteger" in ops and "Einsum" not in ops
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    st.booleans(),  # asymmetric activations (zero-point terms)
+    st.booleans(),  # asymmetric weights
+    st.sampled_from(["tensor", "channel"]),
+    st.integers(1, 6),  # batch
+    st.integers(0, 2**16),
+)
+def test_offloaded_relu_mlps_equal_xla_realize(asym, wasym, granularity, batch, seed):
+    # ReLU between layers: the only float ops are the rescale and the bias, rounded alike
+    rng = np.random.default_rng(seed)
+    params = mlp_params(rng, (8, 12, 3))
+    cfg = jaxq.QConfig(
+        weights=jaxq.Scheme(granularity=granularity, symmetric=not wasym),
+        activations=jaxq.Scheme(symmetric=not asym),
+    )
+    calib = [(rng.normal(size=(8, 8)).astype(np.float32),)]
+    qf = jaxq.quantize(mlp, params, calibration=calib, config=cfg, progress=False)
+    x = rng.normal(size=(batch, 8)).astype(np.float32) * 1.5  # (some clip)
+    np.testing.assert_array_equal(np.asarray(jaxq.offload(qf)(x)), np.asarray(qf(x)))
+
+
 def test_float_ops_between_layers_round_differently_within_the_stated_bound():
     f, params, qf = quantized_mlp("gelu")
     x = RNG.normal(size=(32, 24)).astype(np.float32)
