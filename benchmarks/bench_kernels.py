@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 
 import jaxq
-from jaxq.quantize import tuning
+from jaxq.quantize import Tuning, tuning
+from jaxq.transform import PassContext
 
 DN = ("NHWC", "HWIO", "NHWC")
 CONVS = ((4, 32), (8, 32), (16, 8), (16, 16), (16, 32), (32, 16), (32, 32), (64, 16), (64, 64))
@@ -118,19 +119,65 @@ def _cost(rows: list[dict[str, Any]], pick: Callable[[dict[str, Any]], str]) -> 
     return sum(math.log(r[pick(r)]["ratio"]) for r in rows)
 
 
+ROUTES = {
+    "f32 carry": Tuning(float_carry_max_rows=1, s8_conv_min_channels=17),
+    "s8 2 rows": Tuning(float_carry_max_rows=0, s8_pad_single_row=True, s8_conv_min_channels=17),
+    "s8": Tuning(float_carry_max_rows=0, s8_pad_single_row=False, s8_conv_min_channels=17),
+}
+"""The routes a one-row matmul can take: what decides them is whole models at batch 1 (the
+route's extra ops cost as much as the dot there), not a lone dot."""
+
+
+def one_row_models(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
+    """A W8A8 MLP (64 -> 512 -> 512 -> 10, biases, ReLU) at batch 1, weights closed over and as
+    params, realized by each route, timed against float."""
+    sizes = (64, 512, 512, 10)
+    params = [
+        ((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.full(b, 0.1, np.float32))
+        for a, b in zip(sizes, sizes[1:], strict=False)
+    ]
+
+    def mlp(params: list[Any], x: jax.Array) -> jax.Array:
+        for i, (w, b) in enumerate(params):
+            with jax.named_scope(f"Dense_{i}"):
+                x = x @ w + b
+                x = jax.nn.relu(x) if i < len(params) - 1 else x
+        return x
+
+    calib = [(rng.normal(size=(32, 64)).astype(np.float32),)]
+    x1 = rng.normal(size=(1, 64)).astype(np.float32)
+    rows = []
+    for style in ("closure", "params"):
+        f_jit = jax.jit(mlp)
+        fs: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {"float": (f_jit, (params, x1))}
+        for route, tune in ROUTES.items():
+            with PassContext(config={"quantize.tuning": tune}):
+                if style == "closure":
+                    qf = jaxq.quantize(
+                        functools.partial(mlp, params), calibration=calib, progress=False
+                    )
+                    fs[route] = (jax.jit(qf), (x1,))
+                else:
+                    qf = jaxq.quantize(mlp, params, calibration=calib, progress=False)
+                    fs[route] = (jax.jit(qf.apply), (qf.params, x1))
+                qf.specialize(x1)  # (realized by this route now, not at the first timed call)
+        rows.append({"op": "model", "shape": f"mlp {style} b1", "m": 1, **paired(fs, 5 * reps)})
+    return rows
+
+
 def implied(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The tuning entry the measurements imply (see ``jaxq.quantize.Tuning``): of each rule's
     candidate thresholds, the one whose picks cost least over the measured shapes."""
-    dot = [r for r in rows if r["op"] == "dot"]
-    one = [r for r in dot if r["m"] == 1]
+    # one row: decided on whole models where measured, else on the lone dots
+    models = [r for r in rows if r["op"] == "model"]
+    dot = [r for r in rows if r["op"] == "dot" and not (models and r["m"] == 1)]
+    one = models or [r for r in dot if r["m"] == 1]
     pad = _cost(one, lambda r: "s8 2 rows") <= _cost(one, lambda r: "s8")
     fallback = "s8 2 rows" if pad else "s8"
+    route = lambda c: lambda r: "f32 carry" if r["m"] <= c else fallback if r["m"] == 1 else "s8"
     carry = min(
-        (0, *sorted({r["m"] for r in dot})),
-        key=lambda c: (
-            _cost(dot, lambda r: "f32 carry" if r["m"] <= c else fallback if r["m"] == 1 else "s8"),
-            c,
-        ),
+        (0, *sorted({r["m"] for r in dot + one})),
+        key=lambda c: (_cost(dot + one, route(c)), c),
     )
     conv = [r for r in rows if r["op"] == "conv"]
     widest = lambda r: max(r["cin"], r["cout"])
@@ -149,13 +196,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--models-only", action="store_true", help="only the one-row models")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    rows = dots(rng, args.reps) + convs(rng, args.reps)
+    rows = one_row_models(rng, args.reps)
+    if not args.models_only:
+        rows += dots(rng, args.reps) + convs(rng, args.reps)
     print(f"jax {jax.__version__}, jaxlib {jax.lib.__version__}; time / float time, paired medians")
     print(f"{'op':<6}{'shape':<26}{'float ms':>10}{'s8':>8}{'f32 carry':>11}{'s8 2 rows':>11}")
     for r in rows:
-        dup = f"{r['s8 2 rows']['ratio']:>11.2f}" if "s8 2 rows" in r else ""
+        dup = f"{r['s8 2 rows']['ratio']:>11.2f}" if "s8 2 rows" in r else ""  # (one row)
         print(
             f"{r['op']:<6}{r['shape']:<26}{r['float']['ms']:>10.3f}{r['s8']['ratio']:>8.2f}"
             f"{r['f32 carry']['ratio']:>11.2f}{dup}"
