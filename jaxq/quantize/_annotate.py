@@ -78,6 +78,7 @@ def annotate_program(
         skipped=engine.skipped,
         weights=engine.weights,
         leaves=engine.leaves,
+        site_leaves=engine.site_leaves,
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,
     )

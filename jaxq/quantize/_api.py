@@ -16,17 +16,39 @@ import numpy as np
 from jaxq import _compat as C
 from jaxq._program import Program, trace
 from jaxq._taps import intermediates
-from jaxq._walk import interpret
+from jaxq._walk import RewriteError, interpret, rewrite
 from jaxq.quantize._annotate import annotate, prepare, with_params
 from jaxq.quantize._arith import quantize_weight
 from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import LOOP_REASON, Engine, lower, simulate_handler, source_inputs
+from jaxq.quantize._lower import (
+    LOOP_REASON,
+    Engine,
+    lower,
+    raise_cause,
+    simulate_handler,
+    source_inputs,
+)
 from jaxq.quantize._params import float_leaf, to_float, to_qarray, to_site
 from jaxq.quantize._qarray import QArray, is_qarray
 from jaxq.quantize._realize import realize, realize_handler, realize_program
-from jaxq.quantize._report import Report, make_report, sqnr_db
-from jaxq.quantize._state import QState, QuantizeError, get_state, param_spec, with_state
+from jaxq.quantize._report import (
+    Report,
+    check_mask,
+    make_report,
+    mask_shape,
+    masked,
+    sqnr_db,
+)
+from jaxq.quantize._state import (
+    INLINE,
+    QState,
+    QuantizeError,
+    get_state,
+    param_spec,
+    shaped_aval,
+    with_state,
+)
 from jaxq.quantize._tuning import current_tuning
 from jaxq.transform import Sequential
 
@@ -270,7 +292,14 @@ class QuantizedFunction:
         results; errors of earlier layers accumulate into later ones, as a user sees them. Layers
         inside loops or branches have no single value and are left out.
         """
+        return self._layer_sqnr(args, kwargs)
+
+    def _layer_sqnr(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], mask: np.ndarray | None = None
+    ) -> dict[str, float]:
+        """:meth:`layer_sqnr`, counting only the elements at ``mask``'s valid positions."""
         source, sim, ref_lead, sim_lead = self._simulated(*args, **kwargs)
+        source = _inline_calls(source)  # layers inside jit calls (jnp.take) are top-level in sim
         quantized = {r.name for r in make_report(self.program).layers if r.status == "quantized"}
         top = {e.name for e in sim.equations() if len(e.path) == 1}
         names = [
@@ -278,14 +307,26 @@ class QuantizedFunction:
             for e in source.equations()
             if len(e.path) == 1 and e.name in quantized and e.name in top
         ]
+        if mask is not None:  # every layer's shapes checked before anything runs
+            for e in source.equations():
+                if e.name in names:
+                    shape = tuple(shaped_aval(e.eqn.outvars[0]).shape)
+                    mask_shape(mask.shape, shape, e.name, "output", "report")
         ref = intermediates(source, names, *ref_lead, *args, **kwargs)
         got = intermediates(sim, names, *sim_lead, *args, **kwargs)
-        return {n: sqnr_db(ref[n], got[n]) for n in names}
+        pick = lambda n, v: masked(np.asarray(v), mask, n, "output", "report")
+        return {n: sqnr_db(pick(n, ref[n]), pick(n, got[n])) for n in names}
 
     def clipped(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The share of each statically quantized layer's activation values that fall outside
         its calibrated range on these arguments (and are clipped): inputs unlike the
         calibration data show up here first."""
+        return self._clipped(args, kwargs)
+
+    def _clipped(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], mask: np.ndarray | None = None
+    ) -> dict[str, float]:
+        """:meth:`clipped`, counting only the activation values at ``mask``'s valid positions."""
         spec = self._state.params
         lead: tuple[Any, ...] = ()
         if spec is None:
@@ -299,7 +340,7 @@ class QuantizedFunction:
         if spec is not None:
             state = state.replace(params=param_spec(source, 0))
 
-        def run(*flat: Any) -> dict[str, Any]:
+        def run(m: Any, *flat: Any) -> dict[str, Any]:
             stats: dict[str, Any] = {}
 
             def handle(visit: Any, site: Any, qw: Any, invals: list[Any]) -> Any:
@@ -308,7 +349,13 @@ class QuantizedFunction:
                     a = jnp.asarray(invals[1 - site.weight_index], jnp.float32)
                     qmin, qmax = site.activations.qrange
                     q = jnp.round(a / np.float32(p.scale)) + np.float32(p.zero_point)
-                    stats[site.name] = jnp.mean(((q < qmin) | (q > qmax)).astype(jnp.float32))
+                    outside = ((q < qmin) | (q > qmax)).astype(jnp.float32)
+                    if m is None:
+                        stats[site.name] = jnp.mean(outside)
+                    else:
+                        shape = mask_shape(m.shape, a.shape, site.name, "activation", "report")
+                        valid = jnp.broadcast_to(m.reshape(shape), a.shape).astype(jnp.float32)
+                        stats[site.name] = jnp.sum(outside * valid) / jnp.sum(valid)
                 return visit.bind(*invals)
 
             inputs = list(flat)
@@ -319,7 +366,12 @@ class QuantizedFunction:
             return stats
 
         flat = source.flatten_args((*lead, *args), kwargs)
-        return {k: float(v) for k, v in jax.device_get(jax.jit(run)(*flat)).items()}
+        try:
+            stats = jax.jit(run)(mask, *flat)
+        except RewriteError as e:
+            raise_cause(e)
+            raise
+        return {k: float(v) for k, v in jax.device_get(stats).items()}
 
     def check_saturation(
         self, *args: Any, threshold: float = 0.01, **kwargs: Any
@@ -342,16 +394,33 @@ class QuantizedFunction:
             )
         return shares
 
-    def report(self, sample: tuple[Any, ...] | None = None) -> Report:
+    def report(self, sample: tuple[Any, ...] | None = None, *, mask: Any = None) -> Report:
         """What was quantized and how; with ``sample`` (a tuple of arguments, params excluded)
         also the SQNR of every quantized layer and the share of its activations clipped, rows
-        sorted worst first."""
+        sorted worst first.
+
+        ``mask`` (with ``sample``) marks the valid positions of the sample, e.g. a
+        ``[batch, tokens]`` bool array that is False at padded tokens: each layer's SQNR and
+        clipped share then count only the elements at valid positions. The mask's axes are
+        matched against the leading axes of each layer's output (SQNR) and activation input
+        (clipped): each must equal the tensor's axis or be 1, and the tensor's remaining axes
+        (features) are broadcast; a tensor whose first axis holds all the mask's positions
+        flattened in row-major order (``[batch * tokens, features]``) takes the mask flattened.
+        A layer whose tensors fit neither raises a :class:`QuantizeError` naming it and both
+        shapes. Integer masks count non-zero as valid (``attention_mask``).
+        """
         params = self.params if self._with_params else None
         if sample is None:
+            if mask is not None:
+                raise ValueError("report: mask applies to a sample; pass sample=(x, ...) too")
             return make_report(self.program, qparams=params)
         sample = sample if isinstance(sample, tuple) else (sample,)
+        m = None if mask is None else check_mask(mask, "report")
         return make_report(
-            self.program, self.layer_sqnr(*sample), qparams=params, clipped=self.clipped(*sample)
+            self.program,
+            self._layer_sqnr(sample, {}, m),
+            qparams=params,
+            clipped=self._clipped(sample, {}, m),
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -379,6 +448,19 @@ class QuantizedFunction:
     def __repr__(self) -> str:
         style = " params" if self._with_params else ""
         return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}{style}>"
+
+
+def _inline_calls(program: Program) -> Program:
+    """``program`` with its ``jit`` calls inlined, as the quantization phases inline them, so
+    that a layer inside one (``jnp.take``) can be tapped under the same name."""
+
+    def inline(visit: Any, *invals: Any) -> Any:
+        subs = C.subjaxpr_params(visit.params)
+        if len(subs) != 1 or subs[0][1] is not None:
+            return visit.bind(*invals)
+        return visit.inline(*invals)
+
+    return rewrite(program, dict.fromkeys(INLINE, inline), scope="quantize")
 
 
 def _tensor_name(path: tuple[Any, ...]) -> str:
@@ -500,7 +582,9 @@ def quantize(
         at ``weight_argnums``.
       params: the float params, a pytree of arrays. Every leaf that feeds a matmul or convolution
         (possibly through a transpose or a dtype convert) is quantized; ``qf.params`` holds a
-        :class:`jaxq.QArray` there and the other leaves as given.
+        :class:`jaxq.QArray` there and the other leaves as given. Embedding tables (leaves
+        indexed by a ``gather``) are quantized per row where a rule asks for it:
+        ``QConfig(rules=(Rule(primitives={"gather"}),))``.
       calibration: an iterable of argument tuples of ``f`` without the params (a bare array
         stands for a 1-tuple). Needed for static activation scales; not for
         ``QConfig(dynamic=True)`` or weight-only.

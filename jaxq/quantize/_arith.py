@@ -179,6 +179,7 @@ def view_qweight(view: QView, site: Site) -> QWeight:
         group_zero_point=gz,
         method="params",
         sums=view.sums,
+        packed=view.packed,
     )
 
 

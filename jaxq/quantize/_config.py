@@ -152,6 +152,14 @@ class Rule:
     Args:
       pattern: regular expression searched in the equation name (None matches every name).
       primitives: primitive names the rule applies to (None: any quantizable primitive).
+        Three primitives are quantized only where a rule names them here, weights only:
+        ``"add"`` and ``"mul"`` (a constant bias or scale), and ``"gather"``: a lookup of whole
+        rows in a weight table (token and position embeddings, ``params["emb"][ids]`` or
+        ``jnp.take(emb, ids, axis=0)``), stored as codes with one scale per row under
+        ``granularity="channel"`` (the QConfig's default) or one per table under
+        ``"tensor"``, and dequantized after the gather, only the rows gathered:
+        ``Rule(primitives={"gather"})`` quantizes every embedding table with the QConfig's
+        weight scheme, ``Rule(primitives={"gather"}, weights=Scheme(bits=4))`` to int4.
       weights, activations: the schemes for this layer; ``...`` keeps the QConfig's, ``None``
         leaves that side in float (``weights=None`` leaves the layer unquantized).
       skip: leave matching layers in float.

@@ -15,6 +15,7 @@ here. Calls to ``jit`` are inlined so that weights flow into their bodies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,9 +66,10 @@ from jaxq.quantize._sites import (
     resolve,
 )
 from jaxq.quantize._state import (
-    ELEMENTWISE,
+    EMBEDDING,
     FOLDABLE,
     INLINE,
+    OPT_IN,
     QUANTIZABLE,
     QState,
     QuantizeError,
@@ -109,6 +111,7 @@ class Engine:
         self.handler = handler
         self.mode = mode  # "simulate", "observe" or "realize": what a param weight becomes
         self.leaves: dict[int, LeafPlan] = {}
+        self.site_leaves: dict[str, int] = {}  # the param leaf of every param site
         self.sites: dict[str, Site] = {}
         self.skipped: dict[str, str] = {}
         self.weights: dict[str, QWeight] = dict(state.weights)
@@ -116,7 +119,7 @@ class Engine:
         self.inlined: set[tuple[Any, ...]] = {()}
 
     def rules(self) -> dict[str, Any]:
-        table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *ELEMENTWISE)}
+        table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
         if self.chains:
@@ -190,7 +193,7 @@ class Engine:
             )
 
         if weights is None:
-            if visit.primitive not in ELEMENTWISE or rule is not None:
+            if visit.primitive not in OPT_IN or rule is not None:
                 self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
             return bind_float()
         concrete = [
@@ -198,6 +201,8 @@ class Engine:
             for i, v in enumerate(raw)
             if isinstance(v, WeightRef) or (not isinstance(v, QTensor) and is_concrete(v))
         ]
+        if visit.primitive in EMBEDDING:  # the table is the weight; its indices may be known too
+            concrete = [i for i in concrete if i == 0]
         if len(concrete) != 1:
             if concrete:
                 self.skipped[name] = "both operands constant"
@@ -217,6 +222,7 @@ class Engine:
             if isinstance(plan, str):
                 self.skipped[name] = plan
                 return bind_float()
+            self.site_leaves[name] = raw[wi].leaf
         smooth = self.state.smooth.get(name)
         if smooth is not None:
             a_axis = gptq_input_axis(visit, site)
@@ -282,18 +288,22 @@ class Engine:
                 )
             self.leaves[ref.leaf] = plan
             return plan
-        same = (first.scheme, first.channel_axis, first.group_axis, first.sum_axes) == (
+        same = (first.scheme, first.channel_axis, first.group_axis) == (
             plan.scheme,
             plan.channel_axis,
             plan.group_axis,
-            plan.sum_axes,
-        )
+        ) and len({first.sum_axes, plan.sum_axes} - {None}) <= 1
         smoothed = site.name in self.state.smooth or first.site in self.state.smooth
         if not same or smoothed:
             return (
                 f"param {plan.path} is quantized for {first.site!r} with another scheme or "
                 "layout; a Rule giving both layers one scheme quantizes it for both"
             )
+        if first.sum_axes is None and plan.sum_axes is not None:
+            # one layer needs the codes' sums (its activations have a zero point), the other
+            # not (a tied embedding table and output projection): the QArray stores them
+            first = dataclasses.replace(first, sum_axes=plan.sum_axes)
+            self.leaves[ref.leaf] = first
         return first
 
     def param_site(self, visit: Visit, site: Site, raw: list[Any]) -> Any:

@@ -38,6 +38,7 @@ class QView:
     group_axis: int | None = None
     group_size: int | None = None
     sums: Any = None  # the codes' sums over the contracted axes (kept), or None
+    packed: Any = None  # the stored int4 bytes while in the QArray's own orientation, or None
 
     @classmethod
     def of(cls, qa: QArray) -> QView:
@@ -47,7 +48,10 @@ class QView:
         scale = rank(qa.scale) if np.ndim(qa.scale) else jnp.reshape(qa.scale, (1,) * qa.ndim)
         zp = qa.zero_point
         zp = None if zp is None else (rank(zp) if np.ndim(zp) else jnp.reshape(zp, (1,) * qa.ndim))
-        return cls(qa.int_codes(), scale, zp, qa.dtype, qa.group_axis, qa.group_size, qa.sums)
+        packed = qa.codes if qa.bits <= 4 else None
+        return cls(
+            qa.int_codes(), scale, zp, qa.dtype, qa.group_axis, qa.group_size, qa.sums, packed
+        )
 
     def full(self, v: Any) -> Any:
         if v is None or self.group_size is None:
@@ -72,6 +76,7 @@ class QView:
                 zero_point=t(self.zero_point),
                 group_axis=ga,
                 sums=t(self.sums),
+                packed=None,  # (packed in the leaf's orientation: the unpacked codes serve)
             )
         if primitive == "convert_element_type":
             return dataclasses.replace(self, dtype=np.dtype(params["new_dtype"]))

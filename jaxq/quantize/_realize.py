@@ -48,6 +48,7 @@ from jaxq.quantize._qarray import pack_int4 as pack_int4
 from jaxq.quantize._qarray import unpack_int4 as unpack_int4
 from jaxq.quantize._sites import dot_to_out, nonfinite_rows, poison_rows
 from jaxq.quantize._state import (
+    EMBEDDING,
     QUANTIZABLE,
     QState,
     QuantizeError,
@@ -467,13 +468,89 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     return y * scale.reshape(shape)
 
 
+def _nibbles(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The low and high signed nibbles of int4 bytes (see ``pack_int4``)."""
+    lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
+    return lo, lax.shift_right_arithmetic(b, jnp.int8(4))
+
+
+def _fill(visit: Visit, value: Any) -> dict[str, Any]:
+    """The ``fill_value`` param of a gather of another dtype: ``value`` where the gather fills
+    (``mode="fill"``), none to change otherwise."""
+    return {"fill_value": value} if _fills(visit) else {}
+
+
+def _fills(visit: Visit) -> bool:
+    return bool(visit.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _gather_codes(visit: Visit, qw: QWeight, idx: jax.Array, k: int) -> jax.Array:
+    """The int8 codes of the rows the gather selects. Int4 tables are gathered packed where the
+    packing allows (the rows' bytes, then their nibbles), so no call unpacks the whole table:
+    packed along another axis, the gathered bytes are unpacked along it; packed along the rows
+    (row ``r`` and row ``r + V/2`` share bytes), the indices are folded into the first half and
+    the nibble is chosen per index (out-of-range indices stay out of range, or clamp to the
+    same row, in every mode)."""
+    codes, shape = qw.codes, tuple(qw.codes.shape)
+    packed = qw.packed
+    if qw.bits <= 4 and packed is None and _host(codes):
+        packed = jnp.asarray(pack_int4(codes))
+    axis = pack_axis(shape)
+    if qw.bits > 4 or packed is None or axis is None:  # int8 codes (or the unpacked view)
+        return visit.bind(weight_codes(qw), idx, **_fill(visit, 0))
+    dn = visit.params["dimension_numbers"]
+    if axis != k:
+        sizes = list(visit.params["slice_sizes"])
+        sizes[axis] //= 2
+        b = visit.bind(packed, idx, slice_sizes=tuple(sizes), **_fill(visit, 0))
+        kept = [d for d in range(len(shape)) if d not in dn.collapsed_slice_dims]
+        out_axis = dn.offset_dims[kept.index(axis)]
+        return jnp.concatenate(_nibbles(b), axis=out_axis)
+    half = shape[k] // 2
+    high = idx >= half
+    b = visit.bind(packed, jnp.where(high, idx - half, idx), **_fill(visit, 0))
+    lo, hi = _nibbles(b)
+    sel = jnp.expand_dims(high[..., 0], tuple(dn.offset_dims))  # [batch..] -> the output's rank
+    return jnp.where(sel, hi, lo)
+
+
+def _gather_rows(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> jax.Array:
+    """An embedding lookup on the stored codes: the gathered rows' codes, times their scales
+    (less their zero points) gathered with the same indices and mode; the table is never
+    dequantized as a whole. Where the float gather fills (out-of-range indices under
+    ``mode="fill"``), the scale gather fills NaN, and any other fill value is put back."""
+    idx = invals[1]
+    p = visit.params
+    (k,) = p["dimension_numbers"].start_index_map
+    shape = tuple(qw.codes.shape)
+    ones = (1,) * len(shape)
+    row = tuple(n if d == k else 1 for d, n in enumerate(shape))
+
+    def per_row(v: Any, dtype: Any, fill: Any) -> jax.Array:  # one per row, gathered like codes
+        v = jnp.asarray(v, dtype)
+        table = jnp.broadcast_to(v.reshape(ones) if v.ndim == 0 else v, row)
+        return visit.bind(table, idx, slice_sizes=ones, **_fill(visit, fill))
+
+    q = _gather_codes(visit, qw, idx, k).astype(jnp.float32)
+    scale = per_row(qw.scale, jnp.float32, np.float32(np.nan))  # NaN where the gather fills
+    if _nonzero(qw.zero_point):
+        q = q - per_row(qw.zero_point, jnp.int32, 0).astype(jnp.float32)
+    y = q * scale  # (q - zp) * s, as simulated
+    fill = p.get("fill_value")
+    if _fills(visit) and fill is not None and fill == fill:  # a fill value other than NaN
+        y = jnp.where(jnp.isnan(scale), jnp.float32(fill), y)
+    return y
+
+
 def realize_handler(state: QState) -> SiteHandler:
     config = state.config
 
     def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> Any:
         _check_bits(site)
-        wi = site.weight_index
         out_dtype = shaped_aval(visit.eqn.outvars[0]).dtype
+        if site.primitive in EMBEDDING:
+            return _gather_rows(visit, site, qw, invals).astype(out_dtype)
+        wi = site.weight_index
         scheme = site.activations
         if scheme is None:
             return _weight_only(visit, site, qw, invals).astype(out_dtype)

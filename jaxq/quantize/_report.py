@@ -15,7 +15,7 @@ import numpy as np
 from jaxq._program import Program
 from jaxq.quantize._annotate import unmatched_rules
 from jaxq.quantize._qarray import QArray, is_qarray
-from jaxq.quantize._state import get_state
+from jaxq.quantize._state import QuantizeError, get_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,10 @@ class LayerReport:
         without one.
       clipped: the share of the sample's activation values outside the calibrated range; None
         without a sample.
+      in_loop: the control-flow primitive whose body holds the layer (``"scan"``, ``"while"``
+        or ``"cond"``, the innermost), or None at the top level (or inside ``jit`` / ``remat``
+        calls). Such a layer runs many times per call: it has no single SQNR, and its
+        activations cannot be calibrated.
 
     Later columns (e.g. SQNR) go after ``status``.
     """
@@ -54,6 +58,7 @@ class LayerReport:
     rule: int | None = None
     sqnr_db: float | None = None  # of the layer's output against float, on a sample batch
     clipped: float | None = None  # share of the sample's activation values outside the range
+    in_loop: str | None = None  # "scan" / "while" / "cond": the body the layer sits in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +154,9 @@ class Report:
             a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
             sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
             cl = "" if r.clipped is None else f"{100 * r.clipped:.2f}"
+            status = r.status
+            if r.in_loop is not None and "inside" not in status:
+                status += f" (inside a {r.in_loop} body)"
             rows.append(
                 (
                     r.name,
@@ -159,7 +167,7 @@ class Report:
                     a_s,
                     sq,
                     cl,
-                    r.status,
+                    status,
                 )
             )
         widths = [
@@ -196,6 +204,74 @@ def sqnr_db(reference: Any, approx: Any) -> float:
     return 10.0 * math.log10(max(float(np.sum(ref**2)), 1e-300) / noise)
 
 
+LOOPS = ("scan", "while", "cond")
+"""Control-flow primitives whose bodies run many times (or not at all) per call."""
+
+
+def enclosing_loops(program: Program) -> dict[str, str]:
+    """``{equation name: innermost scan / while / cond holding it}`` for nested equations."""
+    primitive = {e.path: e.primitive for e in program.equations()}
+    out = {}
+    for e in program.equations():
+        # ancestors: the prefixes that end at an equation index (path = i, label, j, label, ...)
+        for k in range(len(e.path) - 2, 0, -2):
+            prim = primitive.get(e.path[:k])
+            if prim in LOOPS:
+                out[e.name] = prim
+                break
+    return out
+
+
+def check_mask(mask: Any, who: str) -> np.ndarray:
+    """``mask`` as a bool numpy array (True: a valid position), or an error saying what it takes."""
+    m = np.asarray(jax.device_get(mask))
+    if m.dtype != np.bool_ and not np.issubdtype(m.dtype, np.integer):
+        raise TypeError(
+            f"{who}: mask must be a bool array, True where a position is valid (e.g. "
+            f"[batch, tokens] for padded tokens); got dtype {m.dtype}"
+        )
+    if m.ndim == 0:
+        raise ValueError(
+            f"{who}: mask must have at least one axis (e.g. [batch, tokens]); got a scalar"
+        )
+    m = m != 0
+    if not m.any():
+        raise ValueError(f"{who}: mask marks no valid position (it is False everywhere)")
+    return m
+
+
+def mask_shape(
+    mask: tuple[int, ...], shape: tuple[int, ...], layer: str, what: str, who: str
+) -> tuple[int, ...]:
+    """The shape to reshape a mask of shape ``mask`` to, so it broadcasts against a tensor of
+    ``shape``: its axes against the tensor's leading axes (each equal, or 1 in the mask), or,
+    where the tensor holds every masked position flattened in its first axis (``[batch * tokens,
+    features]``), one leading axis in row-major order. Else an error naming the layer."""
+    k, n = len(mask), len(shape)
+    if k <= n and all(m in (1, s) for m, s in zip(mask, shape[:k], strict=False)):
+        return (*mask, *(1,) * (n - k))
+    size = math.prod(mask)
+    if n >= 1 and shape[0] == size:
+        return (size, *(1,) * (n - 1))
+    raise QuantizeError(
+        f"{who}: the mask of shape {tuple(mask)} cannot be broadcast against the {what} of layer "
+        f"{layer!r}, of shape {tuple(shape)}.\n"
+        "The mask's axes must match the leading axes of every measured layer's output and "
+        "activation (each equal, or 1 in the mask), or the first axis must hold all its "
+        f"{size} positions flattened ([batch * tokens, ...]). Pass a mask shaped like the "
+        "leading axes of this layer's tensors, or skip the layer with a Rule."
+    )
+
+
+def masked(values: np.ndarray, mask: np.ndarray | None, layer: str, what: str, who: str) -> Any:
+    """The elements of ``values`` at valid positions (all of them without a mask)."""
+    if mask is None:
+        return values
+    values = np.asarray(values)
+    m = mask.reshape(mask_shape(mask.shape, values.shape, layer, what, who))
+    return values[np.broadcast_to(m, values.shape)]
+
+
 def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
     measured = sorted(
         (r for r in rows if r.sqnr_db is not None), key=lambda r: float(r.sqnr_db or 0)
@@ -214,17 +290,17 @@ def make_report(
     by_site: dict[str, Any] = {}
     if qparams is not None and state.params is not None:
         leaves = jax.tree.leaves(qparams, is_leaf=is_qarray)
-        by_site = {
-            plan.site: leaves[i]
-            for i, plan in state.leaves.items()
-            if isinstance(leaves[i], QArray)
-        }
+        sites = {plan.site: i for i, plan in state.leaves.items()}
+        sites.update(state.site_leaves)  # (every site of a shared leaf)
+        by_site = {name: leaves[i] for name, i in sites.items() if isinstance(leaves[i], QArray)}
+    loops = enclosing_loops(state.source)
     rows = []
     for e in state.source.equations():
         site = state.sites.get(e.name)
         if site is None:
             if e.name in state.skipped:
-                rows.append(LayerReport(e.name, e.primitive, state.skipped[e.name]))
+                why = state.skipped[e.name]
+                rows.append(LayerReport(e.name, e.primitive, why, in_loop=loops.get(e.name)))
             continue
         qw = state.weights.get(e.name)
         wscale = None
@@ -262,6 +338,7 @@ def make_report(
                 site.rule,
                 None if sqnr is None else sqnr.get(e.name),
                 None if clipped is None else clipped.get(e.name),
+                loops.get(e.name),
             )
         )
     return Report(

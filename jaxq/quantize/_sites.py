@@ -14,6 +14,8 @@ from jaxq._walk import Visit
 from jaxq.quantize._config import INHERIT, QConfig, Scheme
 from jaxq.quantize._state import (
     ELEMENTWISE,
+    EMBEDDING,
+    OPT_IN,
     QuantizeError,
     Site,
     shaped_aval,
@@ -26,7 +28,7 @@ def resolve(
     config: QConfig, name: str, primitive: str
 ) -> tuple[Scheme | None, Scheme | None, int | None]:
     """``(weights, activations, rule index)`` for an equation; weights None means float."""
-    if primitive in ELEMENTWISE:  # opt-in: a rule must name the primitive; weights only
+    if primitive in OPT_IN:  # opt-in: a rule must name the primitive; weights only
         for i, rule in enumerate(config.rules):
             if rule.primitives and primitive in rule.primitives and rule.matches(name, primitive):
                 w = (
@@ -95,6 +97,32 @@ def _elementwise_geometry(
     return max(len(shape) - 1, 0), (), ()
 
 
+def _gather_geometry(
+    visit: Visit, wi: int, weights: Scheme
+) -> tuple[int, tuple[int, ...], tuple[int, ...]] | str:
+    """A gather of whole rows along one table axis (``emb[ids]``, ``jnp.take(emb, ids,
+    axis=k)``): that axis holds one scale per row ("channel"), or one for the table ("tensor")."""
+    if wi != 0:
+        return "the gather's indices are constant, its table is not"
+    table = shaped_aval(visit.eqn.invars[0])
+    if not jnp.issubdtype(table.dtype, jnp.floating):
+        return f"the table is {table.dtype}, not floating point"
+    if weights.granularity not in ("tensor", "channel"):
+        raise QuantizeError(
+            f"quantize: granularity={weights.granularity!r} does not apply to an embedding "
+            f"table ({visit.name!r}, a gather); give its Rule weights=Scheme(granularity="
+            "'channel') (one scale per row) or 'tensor'"
+        )
+    dn = visit.params["dimension_numbers"]
+    sizes = tuple(visit.params["slice_sizes"])
+    if len(dn.start_index_map) != 1 or tuple(getattr(dn, "operand_batching_dims", ())):
+        return "the gather does not select rows along one table axis"
+    (k,) = dn.start_index_map
+    if sizes[k] != 1 or any(n != table.shape[d] for d, n in enumerate(sizes) if d != k):
+        return "the gather takes partial slices of the table, not whole rows"
+    return k, (), ()
+
+
 def gptq_input_axis(visit: Visit, site: Site) -> int | None:
     """The activation axis whose second moment GPTQ needs, or None where it does not apply
     (convolutions, batched matmuls, several contracted axes)."""
@@ -117,6 +145,8 @@ def make_site(
 ) -> Site | str:
     if visit.primitive in ELEMENTWISE:
         geo = _elementwise_geometry(visit, wi, weights)
+    elif visit.primitive in EMBEDDING:
+        geo = _gather_geometry(visit, wi, weights)
     elif visit.primitive == "dot_general":
         geo = _dot_geometry(visit, wi)
     else:

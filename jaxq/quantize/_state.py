@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 QUANTIZABLE = ("dot_general", "conv_general_dilated")
 ELEMENTWISE = ("add", "mul")
 """Quantized only where a Rule names them in ``primitives`` (a bias or a scale): weights only."""
+EMBEDDING = ("gather",)
+"""Row lookups in a weight table (``emb[ids]``, ``jnp.take(emb, ids, axis=0)``): quantized only
+where a Rule names them in ``primitives``, one scale per row, dequantized after the gather."""
+OPT_IN = (*ELEMENTWISE, *EMBEDDING)
+"""Primitives quantized only where a Rule names them: weights only, no activation scheme."""
 FOLDABLE = (
     "transpose",
     "reshape",
@@ -91,6 +96,7 @@ class QWeight:
     group_zero_point: Any = None
     method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
     sums: Any = None  # a param's stored code sums over the contracted axes (kept), or None
+    packed: Any = None  # a param's stored int4 bytes (``pack_int4`` of ``codes``), or None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,6 +130,9 @@ class QState:
     """Which program inputs are the params (``jaxq.quantize(f, params)``), else None."""
     leaves: Mapping[int, LeafPlan] = dataclasses.field(default_factory=dict)
     """Quantized param leaves by flat index: the layer each feeds, and how."""
+    site_leaves: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """The param leaf of every site whose weight is one (several sites may share a leaf: a
+    tied embedding table and output projection)."""
     grams: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     """GPTQ's ``X^T X`` per layer (params style: the codes are chosen by ``quantize_params``)."""
     output: Any = None
