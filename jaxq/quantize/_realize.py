@@ -171,9 +171,10 @@ def _quantize_act(
 
 def _int_dot(
     visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
-) -> tuple[jax.Array, Any]:
-    """Accumulator of ``sum((qa - za)(qw - zw))`` (int32, or exact integers in f32 for one row)
-    and the float scale of each output."""
+) -> tuple[jax.Array, Any, bool]:
+    """Accumulator of ``sum((qa - za)(qw - zw))`` (int32, or exact integers in f32 for one row),
+    the float scale of each output, and whether rows holding NaN or Inf already come out NaN
+    (f32 codes carry NaN through the dot: no separate mask is needed)."""
     dn = visit.params["dimension_numbers"]
     (lc, rc), (lb, rb) = dn
     wi = site.weight_index
@@ -193,9 +194,13 @@ def _int_dot(
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
         if not (scheme.symmetric and scheme.signed):
             qa = qa - (za_s.astype(np.float32) if _host(za_s) else za_s.astype(jnp.float32))
+        native = not isinstance(a, QTensor)
+        if native:  # a NaN code makes its whole row of sums NaN (no reduction, fused)
+            qa = jnp.where(jnp.isfinite(a), qa, jnp.float32(jnp.nan))
         ops = (qa, wq.astype(jnp.float32)) if wi == 1 else (wq.astype(jnp.float32), qa)
         acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
-        return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract, centered=True)
+        fin = _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract, centered=True)
+        return (*fin, native)
     qa, za_s = _quantize_act(a, scheme, sa, za)
     one_row = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
     # a 1-row s8 dot is slow on some XLA:CPU builds (widened to s32); 2 rows take the fast kernel
@@ -205,7 +210,7 @@ def _int_dot(
     acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.int32)
     if pad_rows:
         acc = lax.slice_in_dim(acc, 0, 1, axis=0)
-    return _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract)
+    return (*_dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract), False)
 
 
 def _dot_finish(
@@ -562,9 +567,13 @@ def realize_handler(state: QState) -> SiteHandler:
             y = _int_dot_grouped(visit, site, qw, a, sa, za)
             bad = nonfinite_rows(visit, site, a)
             return poison_rows(y, bad).astype(out_dtype)
-        bad = nonfinite_rows(visit, site, a)
-        lower = _int_dot if site.primitive == "dot_general" else _int_conv
-        acc, scale = lower(visit, site, qw, a, sa, za, bound < 2**24)
+        if site.primitive == "dot_general":
+            acc, scale, nan_rows = _int_dot(visit, site, qw, a, sa, za, bound < 2**24)
+        else:
+            (acc, scale), nan_rows = _int_conv(visit, site, qw, a, sa, za, bound < 2**24), False
+        # (fixed-point requantization goes through int32, which drops a NaN the sums carry)
+        native = nan_rows and config.requantize == "float"
+        bad = None if native else nonfinite_rows(visit, site, a)
         out = state.act.get(site.name + ":out")
         if config.requantize == "fixed_point":
             if out is None:
