@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxq import _compat as C
 from jaxq._program import Program, trace
@@ -35,7 +34,8 @@ from jaxq.partition import (
     register_op_support,
 )
 from jaxq.partition._onnx import unsupported_onnx_equation
-from jaxq.quantize import QuantizedFunction, Tuning, tuning
+from jaxq.quantize import QuantizedFunction, Tuning
+from jaxq.quantize._api import _spec as arg_spec
 from jaxq.transform import PassContext, Sequential
 
 TUNING = {
@@ -52,22 +52,18 @@ class OffloadWarning(UserWarning):
     """Part of a program stays with XLA because the backend cannot run it."""
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(np.result_type(x)))
-
-
 def _register(backend: str) -> None:
     """The backend's op-support table, from what its exporter takes (dtype and params limits
     included), registered as the compiler of the same name."""
     ops = backend_ops(backend)
-    if ops is None:
+    if backend not in TUNING or ops is None:
         raise ValueError(
-            f"offload: backend {backend!r} has no table of the primitives it runs; offload "
-            "works with 'onnxruntime' (partition for your own backend with "
+            f"offload: backend {backend!r} is not one whose integer kernels jaxq checks against "
+            f"XLA; offload works with {sorted(TUNING)} (partition for your own backend with "
             "jaxq.partition.register_op_support and jaxq.build)"
         )
 
-    def takes(rec: Any) -> bool:
+    def takes(rec: Any) -> bool:  # (the exporter's dtype and param limits too)
         return not unsupported_onnx_equation(rec.eqn)
 
     for op in ops:
@@ -89,13 +85,13 @@ class OffloadedFunction:
 
     def _get(self, args: tuple[Any, ...]) -> tuple[Program, Callable[..., Any]]:
         leaves, tree = jax.tree.flatten(args)
-        specs = [_spec(x) for x in leaves]
+        specs = [arg_spec(x) for x in leaves]
         key = (tree, tuple((s.shape, s.dtype) for s in specs))
         hit = self._built.get(key)
         if hit is None:
             qf = self.qf
             a = jax.tree.unflatten(tree, specs)
-            with PassContext(config={"quantize.tuning": TUNING.get(self.backend, tuning())}):
+            with PassContext(config={"quantize.tuning": TUNING[self.backend]}):
                 # (the integer program for the backend's kernels, without apply's wrapper)
                 fun = qf.specialize(*a).as_fun()
             bound = fun if qf.params is None else lambda *x: fun(qf.params, *x)
@@ -160,7 +156,9 @@ def offload(qf: QuantizedFunction, backend: str = "onnxruntime") -> OffloadedFun
     Args:
       qf: a realized function from :func:`jaxq.quantize` (its params are bound in: the backend
         gets the weights once, as constants).
-      backend: a backend with a table of the primitives it runs (``"onnxruntime"``).
+      backend: ``"onnxruntime"``, the backend whose integer kernels jaxq checks against XLA
+        bit for bit (the host backend's float division rounds apart from XLA's, so quantized
+        codes would differ).
     """
     if not isinstance(qf, QuantizedFunction):
         raise TypeError(

@@ -53,6 +53,15 @@ def test_host_integer_division_truncates_like_xla():
     np.testing.assert_array_equal(np.asarray(run(x, y)), [-3, -3, 3, 1])  # was [-4, -4, 3, 1]
 
 
+def test_host_int8_dots_accumulate_in_int32_like_xla():
+    P.register_op_support("ints", "dot_general")
+    x = np.full((2, 64), 100, np.int8)
+    w = np.full((64, 3), -90, np.int8)
+    f = lambda a, b: lax.dot(a, b, preferred_element_type=jnp.int32)
+    run = on_host(f, x, w)
+    np.testing.assert_array_equal(np.asarray(run(x, w)), np.asarray(jax.jit(f)(x, w)))  # -576000
+
+
 @st.composite
 def int_programs(draw):
     dtype = draw(st.sampled_from([np.int8, np.int32]))

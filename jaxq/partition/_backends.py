@@ -126,9 +126,9 @@ def _dot_general(x: np.ndarray, y: np.ndarray, **p: Any) -> np.ndarray:
     free_x = [s for i, s in enumerate(sx) if i not in cx and i not in bx]
     free_y = [s for i, s in enumerate(sy) if i not in cy and i not in by]
     spec = f"{''.join(sx)},{''.join(sy)}->{''.join(batch + free_x + free_y)}"
-    out = np.einsum(spec, x, y)
-    dt = p.get("preferred_element_type") or np.result_type(x, y)
-    return out.astype(dt)
+    # accumulate in the result type, as XLA does (numpy sums int8 x int8 in int8, wrapping)
+    dt = np.dtype(p.get("preferred_element_type") or np.result_type(x, y))
+    return np.einsum(spec, x.astype(dt), y.astype(dt))
 
 
 def _broadcast_in_dim(x: np.ndarray, **p: Any) -> np.ndarray:
