@@ -162,7 +162,7 @@ def sub_label(key: str) -> str:
     return _SUB_LABELS.get(key, key)
 
 
-def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     """``(constants, carries)`` among a scan's operands."""
     if "ft_in" in params:  # jax >= 0.11: operands are a flat tree (consts, carry, xs)
         consts, carry, _ = params["ft_in"].unpack()
@@ -191,7 +191,7 @@ def nested_links(
         if key == "cond_jaxpr":
             outs = []
     elif prim == "scan":
-        n_consts, n_carry = _scan_counts(p)
+        n_consts, n_carry = scan_counts(p)
         ins, outs = ins[: n_consts + n_carry], outs[:n_carry]
     return (
         list(zip(inner.invars, ins, strict=False)),

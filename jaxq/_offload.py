@@ -36,7 +36,7 @@ from jaxq.partition import (
 from jaxq.partition._onnx import unsupported_onnx_equation
 from jaxq.quantize import QuantizedFunction, Tuning
 from jaxq.quantize._api import _spec as arg_spec
-from jaxq.transform import PassContext, Sequential
+from jaxq.transform import PassContext, Sequential, fold_constants
 
 TUNING = {
     "onnxruntime": Tuning(
@@ -96,7 +96,12 @@ class OffloadedFunction:
                 fun = qf.specialize(*a).as_fun()
             bound = fun if qf.params is None else lambda *x: fun(qf.params, *x)
             program = trace(bound, *a)
-            passes = [annotate_target([self.backend]), merge_compiler_regions(), partition_graph()]
+            passes = [
+                fold_constants(),  # (scale arithmetic on the bound params: constants)
+                annotate_target([self.backend]),
+                merge_compiler_regions(),
+                partition_graph(),
+            ]
             parts = Sequential(passes, name="offload")(program)
             left = _left_behind(parts)
             if left:

@@ -147,3 +147,27 @@ def test_strip_annotations_removes_identities_and_honours_keep():
     np.testing.assert_array_equal(stripped(X), prog(X))
     with pytest.raises(ValueError, match=r"unknown annotation\(s\) \['on_devise'\]"):
         T.strip_annotations(keep=["on_devise"])
+
+
+def test_fold_constants_evaluates_small_constant_subexpressions_only():
+    scale = np.float32(0.5) * np.ones((1, 3), np.float32)
+    big = np.arange(12 * 3, dtype=np.int8).reshape(12, 3)
+
+    def f(x):
+        s = jnp.asarray(scale) * 2.0 + 1.0  # constants only, 3 elements: folded
+        w = jnp.asarray(big).astype(jnp.float32)  # constants only, 36 elements: kept
+        return jnp.tanh(x @ w[:3] * s)
+
+    prog = jaxq.trace(f, X)
+    before = [e.primitive for e in prog.equations()]
+    folded = T.fold_constants(max_elements=8)(prog)
+    prims = [e.primitive for e in folded.equations()]
+    assert prims.count("mul") == before.count("mul") - 1 and "add" not in prims
+    assert "convert_element_type" in prims  # (the 36-element result stays computed)
+    assert [e.primitive for e in prog.equations()] == before  # the input program is unchanged
+    np.testing.assert_array_equal(folded(X), prog(X))
+    everything = T.fold_constants(max_elements=10**6)(prog)
+    assert "convert_element_type" not in [e.primitive for e in everything.equations()]
+    np.testing.assert_array_equal(everything(X), prog(X))
+    with pytest.raises(ValueError, match="max_elements"):
+        T.fold_constants(-1)

@@ -141,6 +141,38 @@ def test_code_sums_are_stored_so_no_call_reads_a_weight_twice():
     assert [q.sums for q in qarrays(sym.params)] == [None] * 3
 
 
+def test_activation_scales_travel_with_the_weights_as_inputs():
+    # each layer's calibrated activation scale and zero point are leaves of the QArray of the
+    # weight it multiplies: inputs of the program, never constants in it, so layers alike in
+    # shape compile to the same code (XLA:CPU compiles a stack of them several times faster)
+    qf = realized()
+    act = get_state(qf.program, "test").act
+    plans = get_state(qf.program, "test").leaves
+    for q, plan in zip(
+        qarrays(qf.params), sorted(plans.values(), key=lambda p: p.leaf), strict=True
+    ):
+        assert plan.act_site is not None and q.act_scale.shape == ()
+        assert float(q.act_scale) == np.float32(act[plan.act_site].scale)
+        assert int(q.act_zero_point) == act[plan.act_site].zero_point
+    scales = {float(q.act_scale) for q in qarrays(qf.params)}
+    literals = [
+        float(v.val)
+        for e in qf.specialize(X).equations()
+        for v in e.eqn.invars
+        if hasattr(v, "val") and np.ndim(v.val) == 0
+    ]
+    assert not scales & set(literals)
+    again = qf.quantize_params(P)  # the calibrated scales are kept
+    for a, b in zip(qarrays(again), qarrays(qf.params), strict=True):
+        assert float(a.act_scale) == float(b.act_scale)
+    # a symmetric signed scheme has no zero point to carry; dynamic scales none at all
+    cfg = QConfig(activations=Scheme(symmetric=True))
+    sym = Q(model, P, calibration=BATCHES, config=cfg, progress=False)
+    assert all(q.act_zero_point is None and q.act_scale is not None for q in qarrays(sym.params))
+    dyn = Q(model, P, example_args=(X,), config=QConfig(dynamic=True), progress=False)
+    assert all(q.act_scale is None for q in qarrays(dyn.params))
+
+
 def test_qarrays_are_immutable():
     q = qarrays(realized().params)[0]
     with pytest.raises(AttributeError, match="QArray is immutable.*'scale'.*jax.tree.map"):

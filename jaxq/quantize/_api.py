@@ -504,6 +504,15 @@ def quantize_leaf(state: QState, plan: Any, value: Any) -> QArray:
     qw = quantize_weight(
         w, site, config.weight_calibration, state.grams.get(plan.site), config.gptq_damp
     )
+    act = None
+    if plan.act_site is not None:
+        act = state.act.get(plan.act_site)
+        if act is None:
+            raise QuantizeError(
+                f"quantize_params: layer {plan.act_site!r} (param {plan.path}) has no calibrated "
+                "activation scale; calibrate first (jaxq.quantize with calibration=...), or use "
+                "QConfig(dynamic=True)"
+            )
     return to_qarray(
         plan,
         qw.codes,
@@ -512,6 +521,7 @@ def quantize_leaf(state: QState, plan: Any, value: Any) -> QArray:
         qw.group_scale,
         qw.group_zero_point,
         site.channel_axis,
+        act,
     )
 
 

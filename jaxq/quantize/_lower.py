@@ -117,6 +117,35 @@ class Engine:
         self.weights: dict[str, QWeight] = dict(state.weights)
         self.matched: set[int] = set()
         self.inlined: set[tuple[Any, ...]] = {()}
+        self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
+
+    def take_inputs(self, values: list[Any]) -> list[Any]:
+        """Note the activation scales the QArrays among a call's inputs carry (realize reads
+        them as values of the program, not constants)."""
+        for v in values:
+            if isinstance(v, WeightRef) and isinstance(v.value, QView):
+                view, plan = v.value, self.state.leaves.get(v.leaf)
+                if view.act_scale is not None and plan is not None and plan.act_site:
+                    self.act_inputs[plan.act_site] = (view.act_scale, view.act_zero_point)
+        return values
+
+    def act_params(self, site: Site) -> tuple[Any, Any] | None:
+        """A layer's static activation (scale, zero point) as float32: the values its weight's
+        QArray carries, else the calibrated constants; None where they are computed at run
+        time."""
+        carried = self.act_inputs.get(site.name)
+        params = self.state.act.get(site.name)
+        if carried is None:
+            return (
+                None
+                if params is None
+                else (np.float32(params.scale), np.float32(params.zero_point))
+            )
+        scale, zp = carried
+        if zp is None:  # (symmetric: the calibrated zero point, the same for every layer)
+            assert params is not None  # the QArray was quantized from the calibrated state
+            return scale, np.float32(params.zero_point)
+        return scale, zp.astype(jnp.float32)
 
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
@@ -139,16 +168,13 @@ class Engine:
             site = self.state.sites[site_name]
             scheme = site.activations
             assert scheme is not None  # plan_chains only plans sites with activation schemes
-            params = self.state.act[site_name]
+            act = self.act_params(site)
+            assert act is not None  # plan_chains only plans calibrated sites
+            scale, zp = act
             off = storage_offset(scheme)
-            zp = np.float32(params.zero_point)
-            q = codes(x, np.float32(params.scale), zp, scheme)
-            x = QTensor(
-                int8_codes(q + off if off else q),
-                np.float32(params.scale),
-                np.int32(params.zero_point + off),
-                sample_mask(x),
-            )
+            q = codes(x, scale, zp, scheme)
+            zp_s = (zp + off).astype(np.int32 if isinstance(zp, np.generic) else jnp.int32)
+            x = QTensor(int8_codes(q + off if off else q), scale, zp_s, sample_mask(x))
         if visit.primitive in ("max", "custom_jvp_call"):  # ReLU: the code of 0 is the zero point
             out = jnp.maximum(x.codes, x.zero_point.astype(np.int8))
         else:
@@ -275,6 +301,10 @@ class Engine:
             sum_axes=tuple(sorted(leaf_axis(ref.chain, d) for d in site.contract_axes))
             if sums
             else None,
+            # a calibrated per-tensor activation scale travels with the weight (an input, not a
+            # constant: layers alike in shape then compile to the same code)
+            act_site=site.name if site.static_act(self.state.config.dynamic) else None,
+            act_asymmetric=a is not None and not a.symmetric,
         )
         first = self.leaves.get(ref.leaf)
         if first is None:
@@ -303,7 +333,12 @@ class Engine:
             # one layer needs the codes' sums (its activations have a zero point), the other
             # not (a tied embedding table and output projection): the QArray stores them
             first = dataclasses.replace(first, sum_axes=plan.sum_axes)
-            self.leaves[ref.leaf] = first
+        if first.act_site is None and plan.act_site is not None:
+            # (a QArray carries one layer's activation scale; any other layer's is a constant)
+            first = dataclasses.replace(
+                first, act_site=plan.act_site, act_asymmetric=plan.act_asymmetric
+            )
+        self.leaves[ref.leaf] = first
         return first
 
     def param_site(self, visit: Visit, site: Site, raw: list[Any]) -> Any:
@@ -316,7 +351,10 @@ class Engine:
         if isinstance(ref.value, QView):
             if self.mode == "realize":  # integer code on the QArray's codes
                 new[wi] = None
-                return self.handler(visit, site, view_qweight(ref.value, site), new)
+                qw = view_qweight(ref.value, site)
+                if site.name in self.act_inputs:
+                    qw = dataclasses.replace(qw, act=self.act_params(site))
+                return self.handler(visit, site, qw, new)
             new[wi] = ref.value.dequantize()  # simulate on quantized params: the weight's value
             return self.handler(visit, site, None, new)
         new[wi] = ref.value
@@ -355,7 +393,7 @@ def lower(
                 source,
                 engine.rules(),
                 specs,
-                lambda flat: source_inputs(state, in_tree, flat, quantized),
+                lambda flat: engine.take_inputs(source_inputs(state, in_tree, flat, quantized)),
                 scope="quantize",
                 coerce=to_float,
             )

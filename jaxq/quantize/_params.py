@@ -39,6 +39,8 @@ class QView:
     group_size: int | None = None
     sums: Any = None  # the codes' sums over the contracted axes (kept), or None
     packed: Any = None  # the stored int4 bytes while in the QArray's own orientation, or None
+    act_scale: Any = None  # the calibrated activation scale the QArray carries, or None
+    act_zero_point: Any = None
 
     @classmethod
     def of(cls, qa: QArray) -> QView:
@@ -50,7 +52,16 @@ class QView:
         zp = None if zp is None else (rank(zp) if np.ndim(zp) else jnp.reshape(zp, (1,) * qa.ndim))
         packed = qa.codes if qa.bits <= 4 else None
         return cls(
-            qa.int_codes(), scale, zp, qa.dtype, qa.group_axis, qa.group_size, qa.sums, packed
+            qa.int_codes(),
+            scale,
+            zp,
+            qa.dtype,
+            qa.group_axis,
+            qa.group_size,
+            qa.sums,
+            packed,
+            qa.act_scale,
+            qa.act_zero_point,
         )
 
     def full(self, v: Any) -> Any:
@@ -145,6 +156,10 @@ class LeafPlan:
     shape: tuple[int, ...]
     dtype: str
     sum_axes: tuple[int, ...] | None = None  # leaf axes the stored code sums run over, if any
+    # the layer whose calibrated activation scale (and zero point, where ``act_asymmetric``) the
+    # QArray carries as inputs of the program, or None (see ``QArray.act_scale``)
+    act_site: str | None = None
+    act_asymmetric: bool = False
 
     def sums_shape(self) -> tuple[int, ...]:
         assert self.sum_axes is not None  # (only asked of plans that store sums)
@@ -171,6 +186,8 @@ class LeafPlan:
             sds(self.scale_shape(), np.float32),
             None if s.symmetric else sds(self.scale_shape(), np.int32),
             None if self.sum_axes is None else sds(self.sums_shape(), np.int32),
+            None if self.act_site is None else sds((), np.float32),
+            sds((), np.int32) if self.act_site is not None and self.act_asymmetric else None,
             shape=self.shape,
             dtype=self.dtype,
             bits=s.bits,
@@ -187,8 +204,10 @@ def to_qarray(
     group_scale: Any,
     group_zp: Any,
     channel_axis: int,
+    act: Any = None,
 ) -> QArray:
-    """A site-oriented quantized weight (``QWeight`` fields) as a QArray in the leaf's layout."""
+    """A site-oriented quantized weight (``QWeight`` fields) as a QArray in the leaf's layout;
+    ``act``: the ``ActParams`` of ``plan.act_site``."""
     s = plan.scheme
     codes = to_leaf(np.asarray(codes, np.int8), plan.chain)
     if group_scale is not None:  # [N, G] -> site layout (channel axis N, contracted axis G)
@@ -207,6 +226,8 @@ def to_qarray(
         jnp.asarray(scale),
         None if s.symmetric else jnp.asarray(zp),
         None if sums is None else jnp.asarray(sums),
+        None if act is None else jnp.float32(act.scale),
+        jnp.int32(act.zero_point) if act is not None and plan.act_asymmetric else None,
         shape=plan.shape,
         dtype=plan.dtype,
         bits=s.bits,

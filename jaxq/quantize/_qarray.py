@@ -66,6 +66,11 @@ class QArray:
       sums: int32 sums of the codes over the axes the layer contracts (kept as size-1 axes), or
         None. Stored where the layer's activations have a zero point, whose term
         ``zero_point_a * sum(w)`` would otherwise read the whole weight again on every call.
+      act_scale: float32 scalar, the calibrated scale of the activations this weight multiplies
+        (static activation quantization), or None. Stored here, as an input of the program rather
+        than a constant in it, so that layers alike in shape compile to the same code (XLA:CPU
+        compiles a stack of such layers several times faster); ``quantize_params`` keeps it.
+      act_zero_point: int32 scalar, those activations' zero point (asymmetric schemes), or None.
       shape: the shape of the float array it stands for.
       dtype: the dtype of the float array it stands for (what ``dequantize`` returns).
       bits: code width in bits.
@@ -77,6 +82,8 @@ class QArray:
     scale: Any
     zero_point: Any
     sums: Any
+    act_scale: Any
+    act_zero_point: Any
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     bits: int
@@ -92,6 +99,8 @@ class QArray:
         scale: Any,
         zero_point: Any = None,
         sums: Any = None,
+        act_scale: Any = None,
+        act_zero_point: Any = None,
         *,
         shape: tuple[int, ...],
         dtype: Any,
@@ -99,7 +108,14 @@ class QArray:
         group_axis: int | None = None,
         group_size: int | None = None,
     ) -> None:
-        arrays = {"codes": codes, "scale": scale, "zero_point": zero_point, "sums": sums}
+        arrays = {
+            "codes": codes,
+            "scale": scale,
+            "zero_point": zero_point,
+            "sums": sums,
+            "act_scale": act_scale,
+            "act_zero_point": act_zero_point,
+        }
         set_ = object.__setattr__  # (immutable: flattening reuses what is computed here)
         for k, v in arrays.items():
             set_(self, k, v)
@@ -113,7 +129,7 @@ class QArray:
         set_(self, "_keyed", tuple((k, v) for k, v in arrays.items() if v is not None))
         set_(self, "_leaves", tuple(v for _, v in self._keyed))
         aux = (self.shape, self.dtype.name, self.bits, group_axis, group_size)
-        set_(self, "_aux", (*aux, zero_point is not None, sums is not None))
+        set_(self, "_aux", (*aux, tuple(v is not None for v in arrays.values())))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -131,15 +147,10 @@ class QArray:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: list[Any]) -> QArray:
-        shape, dtype, bits, group_axis, group_size, has_zp, has_sums = aux
-        codes, scale, *rest = children
-        zp = rest.pop(0) if has_zp else None
-        sums = rest.pop(0) if has_sums else None
+        shape, dtype, bits, group_axis, group_size, present = aux
+        it = iter(children)
         return cls(
-            codes,
-            scale,
-            zp,
-            sums,
+            *(next(it) if p else None for p in present),
             shape=shape,
             dtype=dtype,
             bits=bits,
@@ -156,12 +167,7 @@ class QArray:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored arrays (what a checkpoint of this weight costs)."""
-        arrays = (self.codes, self.scale, self.zero_point, self.sums)
-        return int(
-            sum(
-                np.dtype(a.dtype).itemsize * math.prod(np.shape(a)) for a in arrays if a is not None
-            )
-        )
+        return int(sum(np.dtype(a.dtype).itemsize * math.prod(np.shape(a)) for a in self._leaves))
 
     def int_codes(self) -> jax.Array:
         """The codes as an int8 array of ``shape`` (unpacked for 4 bits or fewer)."""

@@ -165,7 +165,7 @@ def _quantize_act(
     q = codes(a, sa, za, scheme)
     q = q + off if off else q
     qa = int8_codes(q) if dtype == jnp.int8 else q.astype(dtype)
-    za_s = za + off
+    za_s = za + off if off else za
     return qa, (np.int32(za_s) if _host(za) else za_s.astype(jnp.int32))
 
 
@@ -561,7 +561,8 @@ def realize_handler(state: QState) -> SiteHandler:
             return _weight_only(visit, site, qw, invals).astype(out_dtype)
         a = invals[1 - wi]
         params = _static_act(state, site, "realize")
-        sa, za = act_qparams(a, scheme, site, params)
+        # (a param's QArray carries the calibrated scale as a value of the program)
+        sa, za = qw.act if qw.act is not None else act_qparams(a, scheme, site, params)
         bound = _check_overflow(site, qw, scheme, None if params is None else params.zero_point)
         if site.weights.granularity == "group":
             y = _int_dot_grouped(visit, site, qw, a, sa, za)

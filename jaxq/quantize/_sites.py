@@ -201,28 +201,37 @@ def dot_to_out(v: Any, operand: int, dn: Any, ranks: tuple[int, int]) -> Any:
         for d in range(ranks[1 - operand])
         if d not in (lc, rc)[1 - operand] and d not in (lb, rb)[1 - operand]
     ]
-    v = xp.transpose(v, [*batch, *free, *contract])
-    v = v.reshape(v.shape[: len(batch) + len(free)])
+    kept = [*batch, *free]
+    if kept != sorted(kept):  # (the contracted axes have size 1: only the others' order counts)
+        v = xp.transpose(v, [*kept, *contract])
+    sizes = tuple(np.shape(v)[d] for d in kept) if kept == sorted(kept) else v.shape[: len(kept)]
     ones = (1,) * len(other_free)
-    nb, nf = len(batch), len(free)
-    shape = v.shape[:nb] + (ones + v.shape[nb:] if operand == 1 else v.shape[nb : nb + nf] + ones)
-    return v.reshape(shape)
+    nb = len(batch)
+    shape = sizes[:nb] + (ones + sizes[nb:] if operand == 1 else sizes[nb:] + ones)
+    return v if tuple(np.shape(v)) == shape else v.reshape(shape)
 
 
 def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
-    """Where the output depends on an activation row holding NaN or Inf: a bool array that
-    broadcasts against the output (a matmul's rows; a convolution's samples), or None for an
-    operand already in int8. Quantization would turn those values into finite codes, so both
-    modes make those outputs NaN, and no other output changes."""
+    """Where the output depends on an activation row holding NaN or Inf: a float array, NaN at
+    those rows and 0 elsewhere, that broadcasts against the output (a matmul's rows; a
+    convolution's samples), or None for an operand already in int8 with no mask. Quantization
+    would turn those values into finite codes, so both modes make those outputs NaN, and no
+    other output changes (see :func:`poison_rows`)."""
     if hasattr(a, "bad"):  # int8 codes from a pass-through chain: the mask it carried
         mask = a.bad
-        if mask is None or np.ndim(mask) == 0:
-            return mask
-        reduce = lambda axes, keep: jnp.any(mask, axis=axes, keepdims=keep)
+        if mask is None:
+            return None
+        if np.ndim(mask) == 0:
+            return jnp.where(mask, jnp.float32(jnp.nan), jnp.float32(0))
+        reduce = lambda axes, keep: jnp.where(
+            jnp.any(mask, axis=axes, keepdims=keep), jnp.float32(jnp.nan), jnp.float32(0)
+        )
     elif not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
         return None
-    else:  # max |a| is NaN or Inf exactly where a row holds one (XLA's max propagates NaN)
-        reduce = lambda axes, keep: ~jnp.isfinite(jnp.max(jnp.abs(a), axis=axes, keepdims=keep))
+    else:  # a row's sum of a * 0 is NaN exactly where the row holds NaN or Inf, else 0
+        reduce = lambda axes, keep: jnp.sum(
+            a.astype(jnp.float32) * jnp.float32(0), axis=axes, keepdims=keep
+        )
     if site.primitive == "dot_general":
         dn = visit.params["dimension_numbers"]
         ai = 1 - site.weight_index
@@ -244,8 +253,7 @@ def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
 
 def poison_rows(y: jax.Array, bad: Any) -> jax.Array:
     """``y`` with NaN in the rows ``bad`` marks (see :func:`nonfinite_rows`), others unchanged:
-    a multiply by a row vector of 1 / NaN, which broadcasts in every runtime (an external one
-    runs it as one vectorized op where a full-size select is slower)."""
+    an add of a row vector of 0 / NaN, which broadcasts in every runtime and costs no select."""
     if bad is None:
         return y
-    return y * jnp.where(bad, jnp.nan, 1.0).astype(y.dtype)
+    return y + bad.astype(y.dtype)

@@ -80,6 +80,11 @@ class Site:
     reduce_axes: tuple[int, ...]  # activation axes reduced per token
     in_loop: bool = False  # inside scan / while / cond: not reachable by calibration
 
+    def static_act(self, dynamic: bool) -> bool:
+        """Whether this layer's activations get one calibrated scale (and zero point)."""
+        a = self.activations
+        return a is not None and a.granularity == "tensor" and not dynamic and not self.in_loop
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class QWeight:
@@ -96,6 +101,7 @@ class QWeight:
     group_zero_point: Any = None
     method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
     sums: Any = None  # a param's stored code sums over the contracted axes (kept), or None
+    act: Any = None  # a param's stored activation (scale, zero point) for this layer, or None
     packed: Any = None  # a param's stored int4 bytes (``pack_int4`` of ``codes``), or None
 
     @property

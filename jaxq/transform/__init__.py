@@ -5,6 +5,7 @@ from jaxq._walk import Visit as Visit
 from jaxq._walk import interpret as interpret
 from jaxq._walk import map_equations as map_equations
 from jaxq._walk import rewrite as rewrite
+from jaxq.transform._basic import fold_constants as fold_constants
 from jaxq.transform._basic import identity as identity
 from jaxq.transform._basic import infer_layouts as infer_layouts
 from jaxq.transform._basic import name_expressions as name_expressions

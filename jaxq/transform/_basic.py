@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import Any
+
+import jax
 
 from jaxq import _compat as C
 from jaxq import _names
@@ -96,3 +100,32 @@ def strip_annotations(keep: Iterable[str] = (), *, barriers: bool = False) -> Pa
 
 def _forward(visit: object, x: object) -> object:
     return x
+
+
+def fold_constants(max_elements: int = 4096) -> Pass:
+    """Evaluate every equation whose inputs are all constants (TVM's ``FoldConstant``), where its
+    results hold at most ``max_elements`` elements each.
+
+    Scale arithmetic on constant params (an activation scale times a weight scale, a zero point's
+    dtype) then reaches a backend as one constant instead of equations of its own; results larger
+    than ``max_elements`` (a weight dequantized to float) stay computed at run time, so the program
+    does not grow by a copy of the model. Equations with effects and sub-programs (jit, scan, ...)
+    are left as they are; their equations are folded inside.
+    """
+    if not isinstance(max_elements, int) or max_elements < 0:
+        raise ValueError(f"fold_constants: max_elements must be an int >= 0; got {max_elements!r}")
+
+    def fold(visit: Any, *invals: Any) -> Any:
+        eqn = visit.eqn
+        small = all(math.prod(v.aval.shape) <= max_elements for v in eqn.outvars)
+        if invals and small and not eqn.effects and not any(C.is_tracer(v) for v in invals):
+            with jax.ensure_compile_time_eval():
+                return visit.bind(*invals)
+        return visit.bind(*invals)
+
+    @program_pass(name="fold_constants")
+    def run(program: Program) -> Program:
+        prims = {e.primitive for e in program.equations() if not C.subjaxpr_params(e.params)}
+        return rewrite(program, {p: fold for p in prims}, scope="fold")
+
+    return run
