@@ -7,7 +7,12 @@ subprocess, so the peak RSS (``resource.getrusage``) is that model's alone. Comp
 .compile()`` (int8), both with the weights as arguments; run times are medians of calls timed
 round by round (float, int8, float, int8, ...) on the same input.
 
-Run: python benchmarks/bench_scale.py [--models small,large] [--config w8a8|w8] [--json PATH]
+Models: ``small`` (512 MiB f32), ``large`` (1.21 B params, bf16), each as a Python loop of
+blocks and, with ``_scan``, as one ``lax.scan`` over stacked params (``small_scan``,
+``large_scan``), the way Flax ``nn.scan`` / ``nnx.scan`` layer stacks run.
+
+Run: python benchmarks/bench_scale.py [--models small,large,small_scan,large_scan]
+[--config w8a8|w8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import time
 from typing import Any
 
 MODELS = {
-    # name: (blocks, d_model, hidden, dtype)
+    # name: (blocks, d_model, hidden, dtype); "_scan": the same blocks as one lax.scan over
+    # stacked params ([blocks, ...] leaves, as Flax nn.scan / nnx.scan keep them)
     "tiny": (2, 256, 512, "float32"),
     "small": (4, 4096, 4096, "float32"),  # 8 x 4096^2 f32 = 512 MiB
     "large": (36, 2048, 8192, "bfloat16"),  # 36 x 2 x 2048 x 8192 = 1.21 B params, 2.4 GB
 }
+MODELS.update({f"{k}_scan": v for k, v in list(MODELS.items())})
 GOALS = {"small": {"quantize_s": 10.0, "peak_rss_mb": 2048.0}, "compile_ratio": 1.5}
 
 
@@ -43,20 +50,31 @@ def child(name: str, config: str, reps: int) -> dict[str, Any]:
 
     blocks, d, hidden, dtype = MODELS[name]
     rng = np.random.default_rng(0)
-    params = {}
-    for i in range(blocks):  # leaf by leaf: no float copy of the whole model besides params
-        params[f"block_{i}"] = {
-            "w1": jnp.asarray(rng.standard_normal((d, hidden), np.float32) / np.sqrt(d), dtype),
-            "w2": jnp.asarray(
-                rng.standard_normal((hidden, d), np.float32) / np.sqrt(hidden), dtype
-            ),
+    scanned = name.endswith("_scan")
+    w1 = lambda: jnp.asarray(rng.standard_normal((d, hidden), np.float32) / np.sqrt(d), dtype)
+    w2 = lambda: jnp.asarray(rng.standard_normal((hidden, d), np.float32) / np.sqrt(hidden), dtype)
+    params: dict[str, Any] = {}
+    if scanned:  # two stacked leaves, filled layer by layer on the host
+        stacked = {
+            "w1": np.empty((blocks, d, hidden), jnp.dtype(dtype)),
+            "w2": np.empty((blocks, hidden, d), jnp.dtype(dtype)),
         }
+        for i in range(blocks):
+            stacked["w1"][i], stacked["w2"][i] = w1(), w2()
+        params = {k: jnp.asarray(v) for k, v in stacked.items()}
+        del stacked
+    for i in range(0 if scanned else blocks):  # leaf by leaf: no float copy besides params
+        params[f"block_{i}"] = {"w1": w1(), "w2": w2()}
+
+    def block(x: jax.Array, p: dict[str, Any]) -> jax.Array:
+        return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
 
     def f(params: dict[str, Any], x: jax.Array) -> jax.Array:
+        if scanned:
+            return jax.lax.scan(lambda x, p: (block(x, p), None), x, params)[0]
         for i in range(len(params)):
             with jax.named_scope(f"block_{i}"):
-                p = params[f"block_{i}"]
-                x = x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+                x = block(x, params[f"block_{i}"])
         return x
 
     n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
@@ -113,7 +131,7 @@ def verdicts(row: dict[str, Any]) -> list[str]:
         f"compile within {GOALS['compile_ratio']}x of float: "
         f"{'met' if row['compile_ratio'] <= GOALS['compile_ratio'] else 'NOT met'}"
     ]
-    goal = GOALS.get(row["model"])
+    goal = GOALS.get(row["model"].removesuffix("_scan"))
     if isinstance(goal, dict):
         ok = (
             row["quantize_s"] <= goal["quantize_s"]
@@ -123,7 +141,7 @@ def verdicts(row: dict[str, Any]) -> list[str]:
             f"quantize <= {goal['quantize_s']:.0f} s with peak RSS <= {goal['peak_rss_mb']:.0f} MB: "
             f"{'met' if ok else 'NOT met'}"
         )
-    if row["model"] == "large":
+    if row["model"].startswith("large"):
         out.append("quantizes and runs on this machine: met")
     return out
 
@@ -148,14 +166,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     head = (
-        f"{'model':<7}{'params':>9}{'dtype':>10}{'float MB':>10}{'int8 MB':>9}{'quantize s':>12}"
+        f"{'model':<11}{'params':>9}{'dtype':>10}{'float MB':>10}{'int8 MB':>9}{'quantize s':>12}"
         f"{'peak RSS MB':>13}{'compile f/q s':>15}{'ratio':>7}{'run f/q ms':>15}{'speed':>7}"
         f"{'rel err':>9}"
     )
     print(f"config {args.config}; weights are arguments of every compiled function\n{head}")
     for r in rows:
         print(
-            f"{r['model']:<7}{r['params'] / 1e9:>8.2f}B{r['dtype']:>10}{r['float_mb']:>10.0f}"
+            f"{r['model']:<11}{r['params'] / 1e9:>8.2f}B{r['dtype']:>10}{r['float_mb']:>10.0f}"
             f"{r['quantized_mb']:>9.0f}{r['quantize_s']:>12.1f}{r['peak_rss_quantize_mb']:>13.0f}"
             f"{r['float_compile_s']:>7.2f}/{r['int8_compile_s']:<7.2f}{r['compile_ratio']:>7.2f}"
             f"{r['float_ms']:>7.1f}/{r['int8_ms']:<7.1f}{r['speedup']:>6.2f}x{r['rel_error']:>9.4f}"

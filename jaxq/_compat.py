@@ -170,6 +170,15 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
 
 
+SCAN_BODY = "jaxpr"
+"""The param of ``scan`` that holds its body (the label of the body in equation paths)."""
+
+
+def scan_loop(params: dict[str, Any]) -> dict[str, Any]:
+    """``lax.scan``'s loop arguments of a scan equation: ``length``, ``reverse``, ``unroll``."""
+    return {k: params[k] for k in ("length", "reverse", "unroll")}
+
+
 def nested_links(
     eqn: JaxprEqn, key: str, inner: Jaxpr
 ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:

@@ -75,6 +75,19 @@ class Visit(EquationView):
             outs = self._walker.eval(body.jaxpr, body.consts, list(invals), (*self.path, key))
         return outs if self.eqn.primitive.multiple_results else outs[0]
 
+    def eval_body(self, key: str, *invals: Any) -> list[Any]:
+        """Evaluate the nested jaxpr at param ``key`` (a scan's ``jaxpr``) on ``invals`` with the
+        same rules, inside whatever trace is current: how a rule that re-binds a loop itself
+        (``lax.scan`` with a Python body) runs the loop's equations. Returns the flat outputs."""
+        body = C.as_closed(self.eqn.params[key])
+        # (names as in the body of the original: relative to the loop's own trace)
+        return self._walker.eval(body.jaxpr, body.consts, list(invals), (*self.path, key))
+
+    def own_scope(self) -> Any:
+        """A context in which JAX code is named like this equation itself (not under the rule's
+        helper scope): for a rule that re-binds the equation by other means."""
+        return C.set_name_stack(self._stack)
+
 
 Rule = Callable[..., Any]
 """``rule(visit, *invals) -> output`` (a sequence of outputs for multiple-result primitives)."""

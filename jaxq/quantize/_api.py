@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import warnings
@@ -29,7 +30,7 @@ from jaxq.quantize._lower import (
     simulate_handler,
     source_inputs,
 )
-from jaxq.quantize._params import float_leaf, to_float, to_qarray, to_site
+from jaxq.quantize._params import float_leaf, stack_qarrays, to_float, to_qarray, to_site
 from jaxq.quantize._qarray import QArray, is_qarray
 from jaxq.quantize._realize import realize, realize_handler, realize_program
 from jaxq.quantize._report import (
@@ -315,7 +316,39 @@ class QuantizedFunction:
         ref = intermediates(source, names, *ref_lead, *args, **kwargs)
         got = intermediates(sim, names, *sim_lead, *args, **kwargs)
         pick = lambda n, v: masked(np.asarray(v), mask, n, "output", "report")
-        return {n: sqnr_db(pick(n, ref[n]), pick(n, got[n])) for n in names}
+        out = {n: sqnr_db(pick(n, ref[n]), pick(n, got[n])) for n in names}
+        if any(s.layers for s in self._state.sites.values()) and self._float_params is not None:
+            ref, got = (self._stack_outputs(q, args, kwargs) for q in (False, True))
+            out.update({k: sqnr_db(pick(k, ref[k]), pick(k, got[k])) for k in ref})
+        return out
+
+    def _stack_outputs(
+        self, quantized: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The output of every iteration of every layer of a layer stack (``name@i``), in float
+        or fake-quantized (errors of earlier layers accumulating, as in :meth:`layer_sqnr`)."""
+        fp = self._float_params
+        source = prepare(trace(self._fun, _specs(fp), *_specs(args), **_specs(kwargs)))
+        state = self._state.replace(source=source, params=param_spec(source, 0))
+        fake = simulate_handler(state)
+
+        def run(*flat: Any) -> dict[str, Any]:
+            def handle(visit: Any, site: Any, qw: Any, invals: list[Any], act: Any) -> Any:
+                y = fake(visit, site, qw, invals, act) if quantized else visit.bind(*invals)
+                if site.layers:
+                    engine.sink[site.name] = y
+                return y
+
+            engine = Engine(state, handle, mode="simulate" if quantized else "observe")
+            inputs = source_inputs(state, source.in_tree, flat, quantized=False)
+            interpret(source, engine.rules(), *inputs, scope="quantize", coerce=to_float)
+            return engine.sink
+
+        try:
+            return jax.device_get(jax.jit(run)(*source.flatten_args((fp, *args), kwargs)))
+        except RewriteError as e:
+            raise_cause(e)
+            raise
 
     def clipped(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The share of each statically quantized layer's activation values that fall outside
@@ -341,14 +374,12 @@ class QuantizedFunction:
             state = state.replace(params=param_spec(source, 0))
 
         def run(m: Any, *flat: Any) -> dict[str, Any]:
-            stats: dict[str, Any] = {}
-
-            def handle(visit: Any, site: Any, qw: Any, invals: list[Any]) -> Any:
-                p = state.act.get(site.name)
-                if p is not None and site.activations is not None and not site.in_loop:
+            def handle(visit: Any, site: Any, qw: Any, invals: list[Any], act: Any) -> Any:
+                stats = engine.sink  # (inside a layer stack: the iteration's)
+                if act is not None and site.activations is not None and not site.in_loop:
                     a = jnp.asarray(invals[1 - site.weight_index], jnp.float32)
                     qmin, qmax = site.activations.qrange
-                    q = jnp.round(a / np.float32(p.scale)) + np.float32(p.zero_point)
+                    q = jnp.round(a / act[0]) + act[1]
                     outside = ((q < qmin) | (q > qmax)).astype(jnp.float32)
                     if m is None:
                         stats[site.name] = jnp.mean(outside)
@@ -363,7 +394,7 @@ class QuantizedFunction:
                 inputs = source_inputs(state, source.in_tree, flat, quantized=False)
             engine = Engine(state, handle, mode="observe")
             interpret(source, engine.rules(), *inputs, scope="quantize", coerce=to_float)
-            return stats
+            return engine.sink
 
         flat = source.flatten_args((*lead, *args), kwargs)
         try:
@@ -493,26 +524,41 @@ def _no_derivative(fun: Callable[..., Any]) -> Callable[..., Any]:
 
 def quantize_leaf(state: QState, plan: Any, value: Any) -> QArray:
     """One param leaf quantized on the host, with the scheme, smoothing and GPTQ statistics of
-    the layer it feeds, in the leaf's own layout."""
+    the layer it feeds, in the leaf's own layout; a stacked leaf layer by layer (scales and
+    activation parameters of its own for each)."""
+    if plan.layers:
+        one = dataclasses.replace(plan, layers=0, shape=plan.layer_shape, act_site=None)
+        value = np.asarray(value)
+        parts = [_quantize_layer(state, one, value[i], f"@{i}") for i in range(plan.layers)]
+        acts = [_act_of(state, plan, f"{plan.act_site}@{i}") for i in range(plan.layers)]
+        return stack_qarrays(plan, parts, acts)
+    act = None if plan.act_site is None else _act_of(state, plan, plan.act_site)
+    return _quantize_layer(state, plan, value, "", act)
+
+
+def _act_of(state: QState, plan: Any, key: str) -> Any:
+    act = state.act.get(key)
+    if act is None:
+        raise QuantizeError(
+            f"quantize_params: layer {key!r} (param {plan.path}) has no calibrated activation "
+            "scale; calibrate first (jaxq.quantize with calibration=...), or use "
+            "QConfig(dynamic=True)"
+        )
+    return act
+
+
+def _quantize_layer(state: QState, plan: Any, value: Any, suffix: str, act: Any = None) -> QArray:
+    """One weight (a leaf, or one layer of a stacked leaf: statistics keyed ``site + suffix``)."""
     site = state.sites[plan.site]
     w = to_site(np.asarray(value), plan.chain)
-    smooth = state.smooth.get(plan.site)
+    smooth = state.smooth.get(plan.site + suffix)
     if smooth is not None:
         (k_axis,) = site.contract_axes
         w = w.astype(np.float32) * smooth.reshape([-1 if d == k_axis else 1 for d in range(w.ndim)])
     config = state.config
     qw = quantize_weight(
-        w, site, config.weight_calibration, state.grams.get(plan.site), config.gptq_damp
+        w, site, config.weight_calibration, state.grams.get(plan.site + suffix), config.gptq_damp
     )
-    act = None
-    if plan.act_site is not None:
-        act = state.act.get(plan.act_site)
-        if act is None:
-            raise QuantizeError(
-                f"quantize_params: layer {plan.act_site!r} (param {plan.path}) has no calibrated "
-                "activation scale; calibrate first (jaxq.quantize with calibration=...), or use "
-                "QConfig(dynamic=True)"
-            )
     return to_qarray(
         plan,
         qw.codes,
@@ -708,7 +754,7 @@ def quantize(
     if in_loops:
         warnings.warn(
             f"jaxq.quantize: {len(in_loops)} layer(s) inside scan / while / cond bodies stay float "
-            f"(weights inside loops are not quantized yet): {in_loops[:5]}"
+            f"(only layer stacks, scans over stacked params, are quantized): {in_loops[:5]}"
             + (" ..." if len(in_loops) > 5 else "")
             + "; qf.report() lists them",
             UserWarning,

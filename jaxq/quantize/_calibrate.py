@@ -55,11 +55,11 @@ def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
 
 
 def _observed_keys(state: QState) -> list[tuple[str, Site]]:
-    keys = []
+    keys: list[tuple[str, Site]] = []
     for name, site in state.sites.items():
         if site.activations is None or site.in_loop or state.config.dynamic:
             continue  # (dynamic scales are computed at run time)
-        keys.append((name, site))
+        keys.extend((k, site) for k in site.act_keys())  # (a stack's layers: one per iteration)
         if state.config.requantize == "fixed_point":
             keys.append((name + ":out", site))
     return keys
@@ -122,14 +122,15 @@ def _observer_fn(
     smoothable layer's per-input-channel ``max |X|`` under ``name + ":absmax"``."""
 
     def run(radii: dict[str, Any], *flat: Any) -> dict[str, Any]:
-        stats: dict[str, Any] = {}
-
-        def handle(visit: Any, site: Site, qw: QWeight | None, invals: list[Any]) -> Any:
+        def handle(visit: Any, site: Site, qw: QWeight | None, invals: list[Any], act: Any) -> Any:
             y = visit.bind(*invals)
             if site.in_loop:
                 return y
+            stats, radii = engine.sink, engine.radii  # (inside a layer stack: the iteration's)
             a = invals[1 - site.weight_index]
-            axis = gptq_input_axis(visit, site)
+            # (SmoothQuant, GPTQ and fixed-point requantize leave the layers of a stack alone)
+            stack = engine.stacks > 0
+            axis = None if stack else gptq_input_axis(visit, site)
             if absmax:
                 if axis is not None and site.activations is not None:
                     (k_axis,) = site.contract_axes
@@ -138,23 +139,24 @@ def _observer_fn(
                         invals[site.weight_index], k_axis
                     )
                 return y
-            if gptq:
+            if gptq and not stack:
                 gram = _gram(a, axis) if axis is not None else _conv_gram(visit, site, a)
                 if gram is not None:
                     stats[site.name + ":gram"] = gram
             if site.activations is not None:
                 stats[site.name] = batch_stats(a, radii.get(site.name))
                 out_key = site.name + ":out"
-                if out_key in radii or state.config.requantize == "fixed_point":
+                if not stack and (out_key in radii or state.config.requantize == "fixed_point"):
                     stats[out_key] = batch_stats(y, radii.get(out_key))
             return y
 
         engine = Engine(state, handle, mode="observe")
+        engine.radii = dict(radii)
         inputs = list(flat)
         if state.params is not None:
             inputs = source_inputs(state, source.in_tree, flat, quantized=False)
         interpret(source, engine.rules(), *inputs, scope="quantize", coerce=to_float)
-        return stats
+        return engine.sink
 
     return jax.jit(run)
 
@@ -165,6 +167,29 @@ def _channel_absmax(v: Any, axis: int) -> Any:
     xp = np if isinstance(v, (np.ndarray, np.generic)) else jnp
     x = xp.moveaxis(xp.abs(xp.asarray(v).astype(np.float32)), axis, -1)
     return xp.max(x.reshape(-1, x.shape[-1]), axis=0)
+
+
+def _by_observer(stats: dict[str, Any], observers: dict[str, Observer]) -> dict[str, Any]:
+    """Statistics keyed by their observer: a layer with a loop constant for its weight inside a
+    layer stack reports once per iteration (``name@i``), pooled into one (``name``)."""
+    out: dict[str, Any] = {}
+    pooled: dict[str, list[Any]] = {}
+    for k, v in stats.items():
+        base = k.rpartition("@")[0]
+        if k in observers or base not in observers:
+            out[k] = v
+        else:
+            pooled.setdefault(base, []).append(v)
+    for k, vs in pooled.items():
+        merged = {
+            "min": np.min([v["min"] for v in vs]),
+            "max": np.max([v["max"] for v in vs]),
+            "nonfinite": np.sum([v["nonfinite"] for v in vs]),
+        }
+        if "hist" in vs[0]:  # (one radius for every iteration: the counts add up)
+            merged["hist"] = np.sum([v["hist"] for v in vs], axis=0)
+        out[k] = merged
+    return out
 
 
 def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
@@ -225,7 +250,7 @@ def _observe(
         except RewriteError as e:
             raise_cause(e)
             raise
-        stats = jax.device_get(stats)
+        stats = _by_observer(jax.device_get(stats), observers)
         for k in [k for k in stats if k.endswith((":gram", ":absmax", ":wabsmax"))]:
             name, kind = k.rsplit(":", 1)
             v = np.asarray(stats.pop(k), np.float64)
@@ -250,7 +275,7 @@ def _observe(
                     grown = True
             if grown or not radii:
                 radii = {k: np.float32(o.radius) for k, o in observers.items()}
-                stats = jax.device_get(fn(radii, *flat))
+                stats = _by_observer(jax.device_get(fn(radii, *flat)), observers)
                 stats = {k: v for k, v in stats.items() if not k.endswith(":gram")}
         for k, s in stats.items():
             observers[k].update(s)

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxq import _compat as C
 from jaxq._program import Program
@@ -81,12 +82,17 @@ from jaxq.quantize._state import (
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-SiteHandler = Callable[[Visit, Site, Any, list[Any]], Any]
-"""``handler(visit, site, qweight, invals)``: ``qweight`` is None where the weight needs none
-(calibration; params already quantized)."""
+SiteHandler = Callable[[Visit, Site, Any, list[Any], Any], Any]
+"""``handler(visit, site, qweight, invals, act)``: ``qweight`` is None where the weight needs none
+(calibration; params already quantized); ``act`` the layer's static activation ``(scale,
+zero_point)`` as float32 values (constants, or values of the program: a QArray's, an iteration's
+of a layer stack), or None where there are none (dynamic scales, before calibration)."""
 
 
-LOOP_REASON = "inside a scan / while / cond body: weights there stay float (not supported yet)"
+LOOP_REASON = (
+    "inside a scan / while / cond body that no stacked param enters: stays float (a layer stack "
+    "is quantized where its weights are params passed as the scan's xs)"
+)
 NO_WEIGHT_REASON = (
     "no weight operand (both are activations; a weight passed as an argument must be in params: "
     "jaxq.quantize(f, params, ...))"
@@ -94,7 +100,9 @@ NO_WEIGHT_REASON = (
 
 
 class Engine:
-    """Rules shared by every mode; ``handler(visit, site, qweight, invals)`` does the mode's work."""
+    """Rules shared by every mode; ``handler(visit, site, qweight, invals, act)`` does the mode's
+    work. Observing handlers (calibration) put their statistics in :attr:`sink` and read their
+    histogram radii from :attr:`radii`: inside a layer stack both are the current iteration's."""
 
     def __init__(
         self,
@@ -118,6 +126,9 @@ class Engine:
         self.matched: set[int] = set()
         self.inlined: set[tuple[Any, ...]] = {()}
         self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
+        self.sink: dict[str, Any] = {}  # an observing handler's statistics
+        self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
+        self.stacks = 0  # how many layer stacks (scans) the current equation is inside
 
     def take_inputs(self, values: list[Any]) -> list[Any]:
         """Note the activation scales the QArrays among a call's inputs carry (realize reads
@@ -131,26 +142,24 @@ class Engine:
 
     def act_params(self, site: Site) -> tuple[Any, Any] | None:
         """A layer's static activation (scale, zero point) as float32: the values its weight's
-        QArray carries, else the calibrated constants; None where they are computed at run
-        time."""
+        QArray carries (or the current iteration's, in a layer stack), else the calibrated
+        constants; None where there are none (computed at run time, or not calibrated yet)."""
         carried = self.act_inputs.get(site.name)
-        params = self.state.act.get(site.name)
         if carried is None:
-            return (
-                None
-                if params is None
-                else (np.float32(params.scale), np.float32(params.zero_point))
-            )
+            params = self.state.act.get(site.name)
+            if params is None:
+                return None
+            return np.float32(params.scale), np.float32(params.zero_point)
         scale, zp = carried
-        if zp is None:  # (symmetric: the calibrated zero point, the same for every layer)
-            assert params is not None  # the QArray was quantized from the calibrated state
-            return scale, np.float32(params.zero_point)
-        return scale, zp.astype(jnp.float32)
+        if zp is None:  # symmetric: the zero point of the scheme (0), the same for every layer
+            return scale, np.float32(0)
+        return scale, jnp.asarray(zp).astype(jnp.float32)
 
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
+        table["scan"] = self.scan_rule
         if self.chains:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         return table
@@ -205,6 +214,90 @@ class Engine:
             self.inlined.add((*visit.path, key))
         return visit.inline(*invals)
 
+    def scan_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A scan whose ``xs`` include param leaves (a stack of layers: ``nn.scan``, stacked
+        params) runs its body through these rules with each iteration's slice of those leaves as
+        the weight of one layer: stacked codes and scales sliced per iteration, activations
+        calibrated per iteration (keys ``name@i``), their scales sliced the same way. Loop
+        constants among its operands are weights too (one scale for every iteration). Any other
+        scan is re-bound as it is (its layers stay float)."""
+        p = visit.params
+        n_consts, n_carry = C.scan_counts(p)
+        loop = C.scan_loop(p)
+        length = int(loop["length"])
+        consts = list(invals[:n_consts])
+        init = [_plain(v) for v in invals[n_consts : n_consts + n_carry]]
+        xs = list(invals[n_consts + n_carry :])
+        stacked = [
+            isinstance(v, WeightRef) and not v.chain and not v.layers and v.value is not None
+            for v in xs
+        ]
+        if not any(stacked) or self.stacks:  # (one level of layer stacks)
+            return visit.bind(*invals)
+        self.inlined.add((*visit.path, C.SCAN_BODY))  # its layers are quantized, not left in a loop
+        leaf_xs = [v.value if st else None for v, st in zip(xs, stacked, strict=True)]
+        plain_xs = [None if st else _plain(v) for v, st in zip(xs, stacked, strict=True)]
+        views = {i: v for i, v in enumerate(leaf_xs) if isinstance(v, QView)}
+        leaf_xs = [v.arrays() if isinstance(v, QView) else v for v in leaf_xs]
+        # what each iteration reads besides its slices: its calibrated activation parameters
+        # and (calibration) its histogram radii, stacked
+        per_iter: dict[tuple[str, str], Any] = {
+            ("act", k): (
+                np.asarray([self.state.act[f"{k}@{i}"].scale for i in range(length)], np.float32),
+                np.asarray(
+                    [self.state.act[f"{k}@{i}"].zero_point for i in range(length)], np.int32
+                ),
+            )
+            for k in _stacked_keys(self.state.act, length)
+        }
+        per_iter.update(
+            {
+                ("radius", k): jnp.stack([self.radii[f"{k}@{i}"] for i in range(length)])
+                for k in _stacked_keys(self.radii, length)
+            }
+        )
+
+        def body(carry: list[Any], x: Any) -> Any:
+            x_plain, x_leaves, x_iter = x
+            saved = (self.act_inputs, self.radii, self.sink)
+            self.act_inputs, self.radii, self.sink = dict(self.act_inputs), dict(self.radii), {}
+            self.stacks += 1
+            try:
+                for (kind, k), v in x_iter.items():
+                    if kind == "act":
+                        self.act_inputs[k] = v
+                    else:
+                        self.radii[k] = v
+                xs_in = []
+                for i, (v, st) in enumerate(zip(x_plain, stacked, strict=True)):
+                    if not st:
+                        xs_in.append(v)
+                        continue
+                    ref, value = xs[i], x_leaves[i]
+                    if i in views:  # this iteration's slice of a stacked QArray
+                        value = views[i].layer(value)
+                        plan = self.state.leaves.get(ref.leaf)
+                        if value.act_scale is not None and plan is not None and plan.act_site:
+                            self.act_inputs[plan.act_site] = (
+                                value.act_scale,
+                                value.act_zero_point,
+                            )
+                    xs_in.append(WeightRef(ref.leaf, value, (), layers=length))
+                outs = visit.eval_body(C.SCAN_BODY, *consts, *carry, *xs_in)
+                sink = self.sink
+            finally:
+                self.act_inputs, self.radii, self.sink = saved
+                self.stacks -= 1
+            outs = [_plain(v) for v in outs]
+            return outs[:n_carry], (outs[n_carry:], sink)
+
+        with visit.own_scope():
+            carry, (ys, sink) = lax.scan(body, init, (plain_xs, leaf_xs, per_iter), **loop)
+        for k, v in sink.items():  # one entry per iteration (a layer's, or a loop constant's)
+            for i in range(length):
+                self.sink[f"{k}@{i}"] = jax.tree.map(lambda a, i=i: a[i], v)
+        return [*carry, *ys]
+
     def site_rule(self, visit: Visit, *invals: Any) -> Any:
         config = self.state.config
         name = visit.name
@@ -239,7 +332,8 @@ class Engine:
             return bind_float()
         wi = concrete[0]
         in_loop = visit.path[:-1] not in self.inlined
-        site = make_site(visit, config, wi, weights, acts, rule, in_loop)
+        layers = raw[wi].layers if isinstance(raw[wi], WeightRef) else 0
+        site = make_site(visit, config, wi, weights, acts, rule, in_loop, layers)
         if isinstance(site, str):
             self.skipped[name] = site
             return bind_float()
@@ -277,7 +371,7 @@ class Engine:
         if qw.method == "gptq":  # codes not from rounding: the simulated weight is their value
             raw[wi] = dequantized_weight(qw, np.asarray(raw[wi]).dtype)
         self.sites[name] = site
-        return self.handler(visit, site, qw, raw)
+        return self.handler(visit, site, qw, raw, self.act_params(site))
 
     def plan_leaf(self, ref: WeightRef, site: Site, visit: Visit) -> LeafPlan | str:
         """The plan of the param leaf behind ``ref`` for this site, shared with an earlier site
@@ -305,6 +399,7 @@ class Engine:
             # constant: layers alike in shape then compile to the same code)
             act_site=site.name if site.static_act(self.state.config.dynamic) else None,
             act_asymmetric=a is not None and not a.symmetric,
+            layers=ref.layers,
         )
         first = self.leaves.get(ref.leaf)
         if first is None:
@@ -318,10 +413,11 @@ class Engine:
                 )
             self.leaves[ref.leaf] = plan
             return plan
-        same = (first.scheme, first.channel_axis, first.group_axis) == (
+        same = (first.scheme, first.channel_axis, first.group_axis, first.layers) == (
             plan.scheme,
             plan.channel_axis,
             plan.group_axis,
+            plan.layers,
         ) and len({first.sum_axes, plan.sum_axes} - {None}) <= 1
         smoothed = site.name in self.state.smooth or first.site in self.state.smooth
         if not same or smoothed:
@@ -348,21 +444,18 @@ class Engine:
         ref = raw[wi]
         self.sites[site.name] = site
         new = list(raw)
+        act = self.act_params(site)
         if isinstance(ref.value, QView):
             if self.mode == "realize":  # integer code on the QArray's codes
                 new[wi] = None
-                qw = view_qweight(ref.value, site)
-                if site.name in self.act_inputs:
-                    qw = dataclasses.replace(qw, act=self.act_params(site))
-                return self.handler(visit, site, qw, new)
+                return self.handler(visit, site, view_qweight(ref.value, site), new, act)
             new[wi] = ref.value.dequantize()  # simulate on quantized params: the weight's value
-            return self.handler(visit, site, None, new)
+            return self.handler(visit, site, None, new, act)
         new[wi] = ref.value
         if self.mode != "simulate":
-            return self.handler(visit, site, None, new)
-        return self.handler(
-            visit, site, traced_qweight(ref.value, site, self.state.config.weight_calibration), new
-        )
+            return self.handler(visit, site, None, new, act)
+        qw = traced_qweight(ref.value, site, self.state.config.weight_calibration)
+        return self.handler(visit, site, qw, new, act)
 
 
 def lower(
@@ -451,7 +544,7 @@ def raise_cause(e: BaseException) -> None:
 
 
 def simulate_handler(state: QState) -> SiteHandler:
-    def handle(visit: Visit, site: Site, qw: QWeight | None, invals: list[Any]) -> Any:
+    def handle(visit: Visit, site: Site, qw: QWeight | None, invals: list[Any], act: Any) -> Any:
         wi = site.weight_index
         new = list(invals)
         if qw is not None:  # (None: the weight is a quantized param's value already)
@@ -460,7 +553,7 @@ def simulate_handler(state: QState) -> SiteHandler:
         scheme = site.activations
         if scheme is not None:
             a = invals[1 - wi]
-            scale, zp = act_qparams(a, scheme, site, state.act.get(site.name))
+            scale, zp = act if act is not None else act_qparams(a, scheme, site, None)
             new[1 - wi] = fake_quant_act(a, scale, zp, scheme, site)
         y = visit.bind(*new)
         out = state.act.get(site.name + ":out")
@@ -470,3 +563,23 @@ def simulate_handler(state: QState) -> SiteHandler:
         return poison_rows(y, bad)
 
     return handle
+
+
+def _plain(v: Any) -> Any:
+    """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""
+    return v.dequantize() if isinstance(v, QTensor) else to_float(v)
+
+
+def _stacked_keys(table: Mapping[str, Any], length: int) -> list[str]:
+    """The names that ``table`` holds for every iteration of a loop of ``length`` (``name@0``
+    ... ``name@{length-1}``, and no more)."""
+    counts: dict[str, int] = {}
+    for k in table:
+        name, sep, i = k.rpartition("@")
+        if sep and i.isdigit():
+            counts[name] = max(counts.get(name, 0), int(i) + 1)
+    return [
+        k
+        for k, n in counts.items()
+        if n == length and all(f"{k}@{i}" in table for i in range(length))
+    ]

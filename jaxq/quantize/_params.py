@@ -64,6 +64,18 @@ class QView:
             qa.act_zero_point,
         )
 
+    _ARRAYS = ("codes", "scale", "zero_point", "sums", "act_scale", "act_zero_point")
+
+    def arrays(self) -> dict[str, Any]:
+        """The view's arrays by field (None where absent): what a scan slices per iteration."""
+        return {k: getattr(self, k) for k in self._ARRAYS}
+
+    def layer(self, arrays: Mapping[str, Any]) -> QView:
+        """The view of one layer of this stacked view, from its :meth:`arrays` sliced along the
+        leading (stack) axis."""
+        ga = None if self.group_axis is None else self.group_axis - 1
+        return dataclasses.replace(self, **arrays, group_axis=ga, packed=None)
+
     def full(self, v: Any) -> Any:
         if v is None or self.group_size is None:
             return v
@@ -101,12 +113,13 @@ class WeightRef:
     leaf: int
     value: Any  # a float array, or a QView
     chain: tuple[tuple[str, Any], ...] = ()
+    layers: int = 0  # > 0: ``value`` is one iteration's slice of a stacked leaf of this many
 
     def then(self, primitive: str, params: Mapping[str, Any], value: Any) -> WeightRef:
         key = tuple(params["permutation"]) if primitive == "transpose" else None
         if primitive == "convert_element_type":
             key = np.dtype(params["new_dtype"]).name
-        return WeightRef(self.leaf, value, (*self.chain, (primitive, key)))
+        return WeightRef(self.leaf, value, (*self.chain, (primitive, key)), self.layers)
 
 
 def to_float(v: Any) -> Any:
@@ -160,20 +173,36 @@ class LeafPlan:
     # QArray carries as inputs of the program, or None (see ``QArray.act_scale``)
     act_site: str | None = None
     act_asymmetric: bool = False
+    # > 0: a stacked leaf ``[layers, ...]`` whose slices are the weights of a scanned layer; the
+    # axes above and ``scale_shape`` / ``sums_shape`` are those of one slice
+    layers: int = 0
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """The shape of the weight of one layer (a slice of a stacked leaf)."""
+        return self.shape[1:] if self.layers else self.shape
+
+    def _stack(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A per-layer array shape as stored in a stacked QArray (leading axis: the layers; a
+        per-tensor value keeps the weight's rank, so it broadcasts against the codes)."""
+        if not self.layers:
+            return shape
+        return (self.layers, *(shape or (1,) * len(self.layer_shape)))
 
     def sums_shape(self) -> tuple[int, ...]:
         assert self.sum_axes is not None  # (only asked of plans that store sums)
-        return tuple(1 if d in self.sum_axes else n for d, n in enumerate(self.shape))
+        return tuple(1 if d in self.sum_axes else n for d, n in enumerate(self.layer_shape))
 
     def scale_shape(self) -> tuple[int, ...]:
         s = self.scheme
         if s.granularity == "tensor":
             return ()
-        shape = [1] * len(self.shape)
-        shape[self.channel_axis] = self.shape[self.channel_axis]
+        layer = self.layer_shape
+        shape = [1] * len(layer)
+        shape[self.channel_axis] = layer[self.channel_axis]
         if self.group_axis is not None:
             assert s.group_size is not None  # granularity="group" requires it
-            shape[self.group_axis] = self.shape[self.group_axis] // s.group_size
+            shape[self.group_axis] = layer[self.group_axis] // s.group_size
         return tuple(shape)
 
     def spec(self) -> QArray:
@@ -181,19 +210,25 @@ class LeafPlan:
         s = self.scheme
         codes = packed_shape(self.shape) if s.bits <= 4 else self.shape
         sds = jax.ShapeDtypeStruct
+        scale = self._stack(self.scale_shape())
+        act = (self.layers,) if self.layers else ()
         return QArray(
             sds(codes, np.int8),
-            sds(self.scale_shape(), np.float32),
-            None if s.symmetric else sds(self.scale_shape(), np.int32),
-            None if self.sum_axes is None else sds(self.sums_shape(), np.int32),
-            None if self.act_site is None else sds((), np.float32),
-            sds((), np.int32) if self.act_site is not None and self.act_asymmetric else None,
+            sds(scale, np.float32),
+            None if s.symmetric else sds(scale, np.int32),
+            None if self.sum_axes is None else sds(self._stack(self.sums_shape()), np.int32),
+            None if self.act_site is None else sds(act, np.float32),
+            sds(act, np.int32) if self.act_site is not None and self.act_asymmetric else None,
             shape=self.shape,
             dtype=self.dtype,
             bits=s.bits,
-            group_axis=self.group_axis,
+            group_axis=self._axis(self.group_axis),
             group_size=s.group_size,
         )
+
+    def _axis(self, axis: int | None) -> int | None:
+        """A per-layer axis as an axis of the stacked leaf."""
+        return axis if axis is None or not self.layers else axis + 1
 
 
 def to_qarray(
@@ -232,6 +267,34 @@ def to_qarray(
         dtype=plan.dtype,
         bits=s.bits,
         group_axis=plan.group_axis,
+        group_size=s.group_size,
+    )
+
+
+def stack_qarrays(plan: LeafPlan, layers: Sequence[QArray], acts: Sequence[Any]) -> QArray:
+    """The QArray of a stacked leaf from its layers' QArrays (quantized one by one, each with
+    scales of its own) and each layer's ``ActParams`` (for ``plan.act_site``)."""
+    s = plan.scheme
+    stack = lambda vs: None if vs[0] is None else np.stack([np.asarray(v) for v in vs])
+    codes = np.stack([np.asarray(q.int_codes()) for q in layers])
+    per_layer = lambda v: v.reshape(plan._stack(plan.scale_shape()))
+    scale = per_layer(stack([q.scale for q in layers]))
+    zp = stack([q.zero_point for q in layers])
+    sums = stack([q.sums for q in layers])
+    act = plan.act_site is not None
+    return QArray(
+        jnp.asarray(pack_int4(codes) if s.bits <= 4 else codes),
+        jnp.asarray(scale),
+        None if zp is None else jnp.asarray(per_layer(zp)),
+        None if sums is None else jnp.asarray(sums),
+        jnp.asarray([a.scale for a in acts], jnp.float32) if act else None,
+        jnp.asarray([a.zero_point for a in acts], jnp.int32)
+        if act and plan.act_asymmetric
+        else None,
+        shape=plan.shape,
+        dtype=plan.dtype,
+        bits=s.bits,
+        group_axis=plan._axis(plan.group_axis),
         group_size=s.group_size,
     )
 

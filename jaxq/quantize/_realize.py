@@ -99,15 +99,13 @@ def _xp(*vs: Any) -> Any:
     return np if _host(*vs) else jnp
 
 
-def _static_act(state: QState, site: Site, who: str) -> Any:
-    params = state.act.get(site.name)
-    if params is None and not state.config.dynamic and not site.in_loop:
+def _check_static_act(state: QState, site: Site, act: Any, who: str) -> None:
+    if act is None and site.static_act(state.config.dynamic):
         raise QuantizeError(
             f"{who}: layer {site.name!r} has no calibrated activation scale.\n"
             "Run jaxq.quantize.calibrate(data) before realize, or use QConfig(dynamic=True) to "
             "compute activation scales at run time."
         )
-    return params
 
 
 def _check_bits(site: Site) -> None:
@@ -550,7 +548,7 @@ def _gather_rows(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
 def realize_handler(state: QState) -> SiteHandler:
     config = state.config
 
-    def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> Any:
+    def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any], act: Any) -> Any:
         _check_bits(site)
         out_dtype = shaped_aval(visit.eqn.outvars[0]).dtype
         if site.primitive in EMBEDDING:
@@ -560,10 +558,11 @@ def realize_handler(state: QState) -> SiteHandler:
         if scheme is None:
             return _weight_only(visit, site, qw, invals).astype(out_dtype)
         a = invals[1 - wi]
-        params = _static_act(state, site, "realize")
-        # (a param's QArray carries the calibrated scale as a value of the program)
-        sa, za = qw.act if qw.act is not None else act_qparams(a, scheme, site, params)
-        bound = _check_overflow(site, qw, scheme, None if params is None else params.zero_point)
+        _check_static_act(state, site, act, "realize")
+        sa, za = act if act is not None else act_qparams(a, scheme, site, None)
+        # (bounded with the calibrated zero points, also where the program reads them as values)
+        zps: set[int | None] = {state.act[k].zero_point for k in site.act_keys() if k in state.act}
+        bound = max(_check_overflow(site, qw, scheme, z) for z in zps or {None})
         if site.weights.granularity == "group":
             y = _int_dot_grouped(visit, site, qw, a, sa, za)
             bad = nonfinite_rows(visit, site, a)

@@ -41,8 +41,13 @@ class LayerReport:
         without a sample.
       in_loop: the control-flow primitive whose body holds the layer (``"scan"``, ``"while"``
         or ``"cond"``, the innermost), or None at the top level (or inside ``jit`` / ``remat``
-        calls). Such a layer runs many times per call: it has no single SQNR, and its
-        activations cannot be calibrated.
+        calls). Such a layer runs many times per call; outside a layer stack it has no single
+        SQNR, and its activations cannot be calibrated.
+      layers: for a layer of a stack run by ``lax.scan`` (its weight a slice of a stacked
+        param), the number of iterations, each quantized and calibrated with scales of its own;
+        else 0.
+      layer_sqnr_db: for such a layer with a sample, the SQNR of each iteration's output (in
+        the stacked param's order); ``sqnr_db`` is then the worst of them.
 
     Later columns (e.g. SQNR) go after ``status``.
     """
@@ -59,6 +64,8 @@ class LayerReport:
     sqnr_db: float | None = None  # of the layer's output against float, on a sample batch
     clipped: float | None = None  # share of the sample's activation values outside the range
     in_loop: str | None = None  # "scan" / "while" / "cond": the body the layer sits in
+    layers: int = 0  # > 0: a layer of a scanned stack, with that many iterations
+    layer_sqnr_db: tuple[float, ...] | None = None  # per iteration, for a layer of a stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +105,10 @@ class Report:
         for row in data["layers"]:
             if row["sqnr_db"] is not None and not math.isfinite(row["sqnr_db"]):
                 row["sqnr_db"] = None
+            if row["layer_sqnr_db"] is not None:
+                row["layer_sqnr_db"] = [
+                    v if math.isfinite(v) else None for v in row["layer_sqnr_db"]
+                ]
         text = json.dumps(data, indent=2, default=str)
         if path is not None:
             Path(path).write_text(text)
@@ -153,6 +164,8 @@ class Report:
             )
             a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
             sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
+            if r.layer_sqnr_db:  # (a stack's layer: the range over its iterations)
+                sq = f"{min(r.layer_sqnr_db):.1f}..{max(r.layer_sqnr_db):.1f}"
             cl = "" if r.clipped is None else f"{100 * r.clipped:.2f}"
             status = r.status
             if r.in_loop is not None and "inside" not in status:
@@ -185,6 +198,14 @@ class Report:
             lines.append("rules that matched nothing:")
             lines += [f"  {u}" for u in self.unmatched_rules]
         return "\n".join(lines)
+
+
+def _clipped_of(clipped: dict[str, float] | None, name: str) -> float | None:
+    """A layer's clipped share (inside a layer stack: the mean over its iterations)."""
+    if clipped is None:
+        return None
+    values = [v for k, v in clipped.items() if name in (k, k.rpartition("@")[0])]
+    return float(np.mean(values)) if values else None
 
 
 def param_bytes(program: Program, params: Any = None) -> int:
@@ -313,9 +334,15 @@ def make_report(
         acts = None
         a_scale = a_zp = None
         status = "quantized"
+        per_layer = None
+        if sqnr is not None and site.layers:
+            keys = site.act_keys()
+            per_layer = tuple(sqnr[k] for k in keys) if all(k in sqnr for k in keys) else None
         if site.activations is not None:
             params = state.act.get(e.name)
-            if params is not None:
+            if site.layers and all(k in state.act for k in site.act_keys()):
+                kind = f"static ({site.layers} layers)"
+            elif params is not None:
                 kind = "static"
                 a_scale, a_zp = params.scale, params.zero_point
             elif state.config.dynamic:
@@ -336,9 +363,11 @@ def make_report(
                 a_scale,
                 a_zp,
                 site.rule,
-                None if sqnr is None else sqnr.get(e.name),
-                None if clipped is None else clipped.get(e.name),
+                min(per_layer) if per_layer else None if sqnr is None else sqnr.get(e.name),
+                _clipped_of(clipped, e.name),
                 loops.get(e.name),
+                site.layers,
+                per_layer,
             )
         )
     return Report(

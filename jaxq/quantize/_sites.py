@@ -142,6 +142,7 @@ def make_site(
     acts: Scheme | None,
     rule: int | None,
     in_loop: bool,
+    layers: int = 0,
 ) -> Site | str:
     if visit.primitive in ELEMENTWISE:
         geo = _elementwise_geometry(visit, wi, weights)
@@ -184,6 +185,7 @@ def make_site(
         contract_axes=contract,
         reduce_axes=reduce,
         in_loop=in_loop,
+        layers=layers,
     )
 
 

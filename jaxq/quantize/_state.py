@@ -79,11 +79,19 @@ class Site:
     contract_axes: tuple[int, ...]  # weight axes contracted away
     reduce_axes: tuple[int, ...]  # activation axes reduced per token
     in_loop: bool = False  # inside scan / while / cond: not reachable by calibration
+    # > 0: a layer of a stack run by ``lax.scan`` (its weight a slice of a stacked param), with
+    # that many iterations, each calibrated with scales of its own (keys ``name@i``)
+    layers: int = 0
 
     def static_act(self, dynamic: bool) -> bool:
-        """Whether this layer's activations get one calibrated scale (and zero point)."""
+        """Whether this layer's activations get calibrated scales (and zero points)."""
         a = self.activations
         return a is not None and a.granularity == "tensor" and not dynamic and not self.in_loop
+
+    def act_keys(self) -> list[str]:
+        """The keys of this layer's calibrated activation parameters (``QState.act``): its name,
+        or one per iteration of a layer stack."""
+        return [f"{self.name}@{i}" for i in range(self.layers)] if self.layers else [self.name]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,7 +109,6 @@ class QWeight:
     group_zero_point: Any = None
     method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
     sums: Any = None  # a param's stored code sums over the contracted axes (kept), or None
-    act: Any = None  # a param's stored activation (scale, zero point) for this layer, or None
     packed: Any = None  # a param's stored int4 bytes (``pack_int4`` of ``codes``), or None
 
     @property

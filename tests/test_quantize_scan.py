@@ -1,0 +1,267 @@
+"""Layer stacks under ``lax.scan``: stacked weights quantized per layer, calibrated per iteration."""
+
+from __future__ import annotations
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jaxq import quantize as Q
+from jaxq.quantize import QArray, QConfig, QuantizeError, Scheme
+from jaxq.quantize._report import sqnr_db
+from jaxq.quantize._state import get_state
+
+D, H = 8, 12
+
+
+def make_params(rng, layers, spread=1.0):
+    """A stack of MLP blocks whose layer ``i`` has weights ``spread ** i`` times the first's."""
+    gain = spread ** np.arange(layers, dtype=np.float32)
+    w1 = rng.normal(size=(layers, D, H)).astype(np.float32) * gain[:, None, None] / 3
+    w2 = rng.normal(size=(layers, H, D)).astype(np.float32) / 4
+    return {"stack": {"w1": w1, "w2": w2}, "head": rng.normal(size=(D, 3)).astype(np.float32)}
+
+
+def block(carry, p):
+    x, total = carry
+    y = jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    return (x + y, total + y.sum()), y
+
+
+def scanned(reverse, params, x):
+    (x, total), ys = jax.lax.scan(block, (x, jnp.float32(0)), params["stack"], reverse=reverse)
+    return x @ params["head"], total, ys
+
+
+def unrolled(reverse, params, x):
+    """The same model with one param leaf per layer (no scan): each layer quantized alone."""
+    carry, ys = (x, jnp.float32(0)), {}
+    n = len(params["layers"])
+    for i in reversed(range(n)) if reverse else range(n):
+        with jax.named_scope(f"layer_{i}"):
+            carry, ys[i] = block(carry, params["layers"][i])
+    x, total = carry
+    return x @ params["head"], total, jnp.stack([ys[i] for i in range(n)])
+
+
+def per_layer(params):
+    s = params["stack"]
+    n = s["w1"].shape[0]
+    return {
+        "layers": [{"w1": s["w1"][i], "w2": s["w2"][i]} for i in range(n)],
+        "head": params["head"],
+    }
+
+
+def batches(rng, n=2, rows=5, shift=0.0):
+    return [((rng.normal(size=(rows, D)) + shift).astype(np.float32),) for _ in range(n)]
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    st.integers(1, 4),  # layers
+    st.booleans(),  # reverse
+    st.booleans(),  # asymmetric activations
+    st.sampled_from(["tensor", "channel"]),
+    st.integers(0, 2**16),
+)
+def test_a_scanned_stack_equals_its_unrolled_layers_quantized_alone(
+    layers, reverse, asym, gran, seed
+):
+    """Each iteration's slice is quantized as that layer alone would be (its own weight scales
+    and calibrated activation scale): realize gives exactly the unrolled model's results
+    (integer dots; simulate's float dots may round apart inside a loop), and agrees with
+    simulate."""
+    rng = np.random.default_rng(seed)
+    params = make_params(rng, layers, spread=rng.uniform(1, 10))
+    cal = batches(rng, shift=rng.uniform(-1, 1))
+    x = cal[0][0][:3]
+    cfg = QConfig(
+        weights=Scheme(granularity=gran), activations=Scheme(symmetric=not asym, signed=True)
+    )
+    run = lambda f, p, mode: Q(f, p, calibration=cal, config=cfg, mode=mode, progress=False)
+    out = {}
+    for mode in ("realize", "simulate"):
+        got = run(functools.partial(scanned, reverse), params, mode)
+        want = run(functools.partial(unrolled, reverse), per_layer(params), mode)
+        out[mode] = got(x)
+        for a, b in zip(jax.tree.leaves(out[mode]), jax.tree.leaves(want(x)), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            if mode == "realize":
+                np.testing.assert_array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+        if mode == "realize":  # stacked codes and scales: each layer's own
+            stack = got.params["stack"]
+            assert stack["w1"].shape == (layers, D, H)
+            assert np.shape(stack["w1"].act_scale) == (layers,)
+            for i, alone in enumerate(want.params["layers"]):
+                np.testing.assert_array_equal(stack["w1"].codes[i], alone["w1"].codes)
+                np.testing.assert_array_equal(
+                    np.ravel(stack["w1"].scale[i]), np.ravel(alone["w1"].scale)
+                )
+                assert float(stack["w2"].act_scale[i]) == float(alone["w2"].act_scale)
+    ref = np.asarray(scanned(reverse, params, x)[0])
+    y_r, y_s = (np.asarray(out[m][0]) for m in ("realize", "simulate"))
+    np.testing.assert_allclose(y_r, y_s, rtol=1e-5, atol=1e-5 * np.abs(y_s).max())
+    assert sqnr_db(ref, y_r) > 15
+
+
+def test_layers_a_hundred_times_apart_keep_their_own_scales():
+    rng = np.random.default_rng(0)
+    params = make_params(rng, 3, spread=10.0)  # layer 2's first weights: 100x layer 0's
+    cal = batches(rng, n=3, rows=16)
+    qf = Q(functools.partial(scanned, False), params, calibration=cal, progress=False)
+    w1 = qf.params["stack"]["w1"]
+    ratio = np.asarray(w1.scale).max(axis=(1, 2))
+    assert 50 < ratio[2] / ratio[0] < 200  # per-layer weight scales
+    state = get_state(qf.program, "test")
+    a = [state.act[f"scan/dot_general_1@{i}"].scale for i in range(3)]
+    assert a[2] / a[0] > 20  # per-iteration activation scales (the second matmul's inputs)
+    # each layer's output as accurate (within 3 dB) as that layer quantized alone
+    x = batches(rng, n=1, rows=16)[0][0]
+    ys_float = np.asarray(scanned(False, params, x)[2])
+    ys_q = np.asarray(qf(x)[2])
+    alone = Q(
+        functools.partial(unrolled, False), per_layer(params), calibration=cal, progress=False
+    )
+    ys_alone = np.asarray(alone(x)[2])
+    for i in range(3):
+        got, want = sqnr_db(ys_float[i], ys_q[i]), sqnr_db(ys_float[i], ys_alone[i])
+        assert got > 20 and got >= want - 3, (i, got, want)
+    rows = {r.name: r for r in qf.report(sample=(x,)).layers}
+    row = rows["scan/dot_general"]
+    assert row.status == "quantized" and row.in_loop == "scan"
+    assert "static" in row.activations and row.layers == 3
+    assert len(row.layer_sqnr_db) == 3 and row.sqnr_db == min(row.layer_sqnr_db)
+
+
+def test_loop_constants_and_qat_through_a_stack():
+    """A weight every iteration reads (a loop constant) gets one scale, its activations pooled
+    over iterations; in simulate mode jax.grad reaches the stacked and the constant params."""
+    rng = np.random.default_rng(1)
+    params = make_params(rng, 2)
+    params["shared"] = (rng.normal(size=(D, D)) / 3).astype(np.float32)
+
+    def f(params, x):
+        def body(c, p):
+            c = c + jnp.tanh(c @ params["shared"]) + jax.nn.relu(c @ p["w1"]) @ p["w2"]
+            return c, None
+
+        return jax.lax.scan(body, x, params["stack"])[0] @ params["head"]
+
+    cal = batches(rng, n=2)
+    qf = Q(f, params, calibration=cal, progress=False)
+    x = cal[1][0]
+    shared = qf.params["shared"]
+    assert isinstance(shared, QArray) and np.shape(shared.act_scale) == ()
+    ref = np.asarray(f(params, x))
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(qf.apply)(qf.params, x)), ref, atol=0.05 * np.abs(ref).max()
+    )
+    sim = Q(f, params, calibration=cal, mode="simulate", progress=False)
+    grads = jax.grad(lambda p: jnp.sum(sim.apply(p, x) ** 2))(params)
+    assert all(float(np.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+    assert np.shape(grads["stack"]["w1"]) == (2, D, H)
+    batched = jax.vmap(qf, in_axes=1, out_axes=1)(np.stack([x, x], axis=1))
+    np.testing.assert_array_equal(np.asarray(batched[:, 0]), np.asarray(qf(x)))
+
+
+def test_params_with_another_number_of_layers_are_refused_by_path():
+    rng = np.random.default_rng(2)
+    params = make_params(rng, 3)
+    qf = Q(functools.partial(scanned, False), params, calibration=batches(rng), progress=False)
+    fewer = make_params(rng, 2)
+    with pytest.raises(QuantizeError, match=r"\['stack'\]\['w1'\]: expected float32\[3,8,12\]"):
+        qf.quantize_params(fewer)
+
+
+# ---- Flax layer stacks (params as arguments) ---------------------------------------------------
+
+XF = np.random.default_rng(3).normal(size=(4, D)).astype(np.float32)
+CALF = [(np.random.default_rng(i).normal(size=(64, D)).astype(np.float32),) for i in range(3)]
+
+
+def check_stack(qf, reference, names):
+    rows = {r.name: r for r in qf.report(sample=(XF,)).layers}
+    for name in names:
+        row = rows[name]
+        assert row.status == "quantized" and row.layers == 3 and min(row.layer_sqnr_db) > 18
+    ref = np.asarray(reference(XF))
+    assert sqnr_db(ref, np.asarray(jax.jit(qf.apply)(qf.params, XF))) > 18
+
+
+def test_a_linen_nn_scan_stack_is_quantized_per_layer():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.relu(nn.Dense(H)(x))
+            return x + nn.Dense(D)(h), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            x, _ = stack(name="stack")(x, None)
+            return nn.Dense(2)(x)
+
+    model = Model()
+    params = model.init(jax.random.key(0), XF)
+    qf = Q(model.apply, params, calibration=CALF, progress=False)
+    kernel = qf.params["params"]["stack"]["Dense_0"]["kernel"]
+    assert isinstance(kernel, QArray) and kernel.shape == (3, D, H)
+    assert np.shape(kernel.scale) == (3, 1, H) and np.shape(kernel.act_scale) == (3,)
+    check_stack(
+        qf,
+        lambda x: model.apply(params, x),
+        ["Model/scan/stack/Dense_0/dot_general", "Model/scan/stack/Dense_1/dot_general"],
+    )
+
+
+def test_an_nnx_scan_stack_is_quantized_per_layer():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(D, H, rngs=rngs)
+            self.down = nnx.Linear(H, D, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.relu(self.up(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return Block(rngs)
+
+            self.blocks = create(rngs)
+            self.head = nnx.Linear(D, 2, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def step(block, x):
+                return block(x)
+
+            return self.head(step(self.blocks, x))
+
+    model = Model(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    qf = Q(lambda s, x: nnx.merge(graphdef, s)(x), state, calibration=CALF, progress=False)
+    stacked = [
+        q
+        for q in jax.tree.leaves(qf.params, is_leaf=lambda v: isinstance(v, QArray))
+        if isinstance(q, QArray) and q.shape[0] == 3
+    ]
+    assert len(stacked) == 2
+    check_stack(qf, model, ["scan/dot_general", "scan/dot_general_1"])
