@@ -265,3 +265,39 @@ def test_an_nnx_scan_stack_is_quantized_per_layer():
     ]
     assert len(stacked) == 2
     check_stack(qf, model, ["scan/dot_general", "scan/dot_general_1"])
+
+
+def test_a_decode_loop_over_a_layer_stack_is_quantized():
+    """A scan over steps (weights as its constants) around a scan over layers (stacked): both
+    levels are quantized; the step loop's layer is calibrated over all steps."""
+    rng = np.random.default_rng(4)
+    params = make_params(rng, 3)
+    params["out"] = (rng.normal(size=(D, D)) / 3).astype(np.float32)
+
+    def generate(params, x):
+        def step(h, _):
+            (h, _), _ = jax.lax.scan(block, (h, jnp.float32(0)), params["stack"])
+            h = jnp.tanh(h @ params["out"])
+            return h, h.sum(-1)
+
+        return jax.lax.scan(step, x, None, length=4)
+
+    cal = batches(rng, n=3, rows=16)
+    x = cal[0][0]
+    qf = Q(generate, params, calibration=cal, progress=False)
+    sim = Q(generate, params, calibration=cal, mode="simulate", progress=False)
+    rows = {r.name: r for r in qf.report(sample=(x,)).layers}
+    assert rows["scan/dot_general"].layers == 0 and rows["scan/dot_general"].sqnr_db > 20
+    for name in ("scan/scan/dot_general", "scan/scan/dot_general_1"):
+        assert rows[name].status == "quantized" and rows[name].layers == 3
+        assert len(rows[name].layer_sqnr_db) == 3
+    int_dots = [
+        e
+        for e in qf.specialize(x).equations()
+        if e.primitive == "dot_general" and e.params["preferred_element_type"] == jnp.int32
+    ]
+    assert len(int_dots) == 3 and all(len(e.path) > 1 for e in int_dots)  # inside the loops
+    h, sums = jax.jit(qf.apply)(qf.params, x)
+    h_sim, _ = sim(x)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_sim), rtol=1e-5, atol=1e-5)
+    assert sqnr_db(np.asarray(generate(params, x)[0]), np.asarray(h)) > 20

@@ -317,16 +317,24 @@ class QuantizedFunction:
         got = intermediates(sim, names, *sim_lead, *args, **kwargs)
         pick = lambda n, v: masked(np.asarray(v), mask, n, "output", "report")
         out = {n: sqnr_db(pick(n, ref[n]), pick(n, got[n])) for n in names}
-        if any(s.layers for s in self._state.sites.values()) and self._float_params is not None:
+        sites = self._state.sites
+        inner = [n for n, s in sites.items() if not s.in_loop and n not in names]
+        if inner and self._float_params is not None:  # layers inside scans that params enter
             ref, got = (self._stack_outputs(q, args, kwargs) for q in (False, True))
-            out.update({k: sqnr_db(pick(k, ref[k]), pick(k, got[k])) for k in ref})
+            groups: dict[str, list[str]] = {}
+            for k in ref:  # name@i (a stack's layer i) or name@i@j (also step j of an outer loop)
+                name, *idx = k.split("@")
+                groups.setdefault(f"{name}@{idx[0]}" if sites[name].layers else name, []).append(k)
+            flat = lambda vals, ks: np.concatenate([np.ravel(pick(k, vals[k])) for k in ks])
+            out.update({g: sqnr_db(flat(ref, ks), flat(got, ks)) for g, ks in groups.items()})
         return out
 
     def _stack_outputs(
         self, quantized: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> dict[str, Any]:
-        """The output of every iteration of every layer of a layer stack (``name@i``), in float
-        or fake-quantized (errors of earlier layers accumulating, as in :meth:`layer_sqnr`)."""
+        """The output of every iteration of every layer inside a scan that params enter
+        (``name@i``, nested loops adding ``@j``), in float or fake-quantized (errors of earlier
+        layers accumulating, as in :meth:`layer_sqnr`)."""
         fp = self._float_params
         source = prepare(trace(self._fun, _specs(fp), *_specs(args), **_specs(kwargs)))
         state = self._state.replace(source=source, params=param_spec(source, 0))
@@ -335,7 +343,7 @@ class QuantizedFunction:
         def run(*flat: Any) -> dict[str, Any]:
             def handle(visit: Any, site: Any, qw: Any, invals: list[Any], act: Any) -> Any:
                 y = fake(visit, site, qw, invals, act) if quantized else visit.bind(*invals)
-                if site.layers:
+                if engine.stacks:
                     engine.sink[site.name] = y
                 return y
 

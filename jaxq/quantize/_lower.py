@@ -215,12 +215,13 @@ class Engine:
         return visit.inline(*invals)
 
     def scan_rule(self, visit: Visit, *invals: Any) -> Any:
-        """A scan whose ``xs`` include param leaves (a stack of layers: ``nn.scan``, stacked
-        params) runs its body through these rules with each iteration's slice of those leaves as
-        the weight of one layer: stacked codes and scales sliced per iteration, activations
-        calibrated per iteration (keys ``name@i``), their scales sliced the same way. Loop
-        constants among its operands are weights too (one scale for every iteration). Any other
-        scan is re-bound as it is (its layers stay float)."""
+        """A scan that params enter runs its body through these rules, so the layers inside are
+        quantized. A param leaf among its ``xs`` (a stack of layers: ``nn.scan``, stacked params)
+        is sliced per iteration into the weight of one layer: stacked codes and scales,
+        activations calibrated per iteration (keys ``name@i``), their scales sliced the same
+        way. A param among its constants (a decode loop's weights) is one weight for every
+        iteration, its activations calibrated over all of them. Scans nest (a decode loop over a
+        layer stack). Any other scan is re-bound as it is (its layers stay float)."""
         p = visit.params
         n_consts, n_carry = C.scan_counts(p)
         loop = C.scan_loop(p)
@@ -232,7 +233,7 @@ class Engine:
             isinstance(v, WeightRef) and not v.chain and not v.layers and v.value is not None
             for v in xs
         ]
-        if not any(stacked) or self.stacks:  # (one level of layer stacks)
+        if not any(stacked) and not any(isinstance(v, WeightRef) for v in consts):
             return visit.bind(*invals)
         self.inlined.add((*visit.path, C.SCAN_BODY))  # its layers are quantized, not left in a loop
         leaf_xs = [v.value if st else None for v, st in zip(xs, stacked, strict=True)]

@@ -204,7 +204,7 @@ def _clipped_of(clipped: dict[str, float] | None, name: str) -> float | None:
     """A layer's clipped share (inside a layer stack: the mean over its iterations)."""
     if clipped is None:
         return None
-    values = [v for k, v in clipped.items() if name in (k, k.rpartition("@")[0])]
+    values = [v for k, v in clipped.items() if k.split("@")[0] == name]
     return float(np.mean(values)) if values else None
 
 
