@@ -301,3 +301,28 @@ def test_a_decode_loop_over_a_layer_stack_is_quantized():
     h_sim, _ = sim(x)
     np.testing.assert_allclose(np.asarray(h), np.asarray(h_sim), rtol=1e-5, atol=1e-5)
     assert sqnr_db(np.asarray(generate(params, x)[0]), np.asarray(h)) > 20
+
+
+def test_stacked_params_shard_by_channel_and_save(tmp_path):
+    from jax.sharding import Mesh
+
+    import jaxq
+
+    rng = np.random.default_rng(5)
+    params = make_params(rng, 4)
+    cal = batches(rng, n=2, rows=8)
+    qf = Q(functools.partial(scanned, False), params, calibration=cal, progress=False)
+    x = cal[0][0]
+    w1 = qf.params["stack"]["w1"]
+    assert w1.layers == 4 and "layers=4" in repr(w1)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    shardings = jaxq.param_shardings(qf.params, mesh, "model")
+    specs = [s.spec for s in jax.tree.leaves(shardings["stack"]["w1"])]
+    assert specs[0] == jax.sharding.PartitionSpec(None, None, "model")  # each layer's channels
+    sharded = jax.device_put(qf.params, shardings)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(qf.apply)(sharded, x)[0]), np.asarray(qf(x)[0])
+    )
+    loaded = jaxq.load(qf.save(tmp_path / "stack.jaxq"))
+    for a, b in zip(jax.tree.leaves(loaded(x)), jax.tree.leaves(qf(x)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

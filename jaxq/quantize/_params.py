@@ -224,6 +224,7 @@ class LeafPlan:
             bits=s.bits,
             group_axis=self._axis(self.group_axis),
             group_size=s.group_size,
+            layers=self.layers,
         )
 
     def _axis(self, axis: int | None) -> int | None:
@@ -296,6 +297,7 @@ def stack_qarrays(plan: LeafPlan, layers: Sequence[QArray], acts: Sequence[Any])
         bits=s.bits,
         group_axis=plan._axis(plan.group_axis),
         group_size=s.group_size,
+        layers=plan.layers,
     )
 
 

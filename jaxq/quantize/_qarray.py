@@ -76,6 +76,8 @@ class QArray:
       bits: code width in bits.
       group_axis: with grouped scales, the axis of ``scale`` that runs over the groups; else None.
       group_size: with grouped scales, how many consecutive elements share a scale; else None.
+      layers: for the weights of a layer stack run by ``lax.scan`` (stacked params), the number
+        of layers along the leading axis, each with scales of its own; else 0.
     """
 
     codes: Any
@@ -89,6 +91,7 @@ class QArray:
     bits: int
     group_axis: int | None
     group_size: int | None
+    layers: int
     _keyed: tuple[tuple[str, Any], ...]
     _leaves: tuple[Any, ...]
     _aux: tuple[Any, ...]
@@ -107,6 +110,7 @@ class QArray:
         bits: int = 8,
         group_axis: int | None = None,
         group_size: int | None = None,
+        layers: int = 0,
     ) -> None:
         arrays = {
             "codes": codes,
@@ -124,11 +128,12 @@ class QArray:
         set_(self, "bits", int(bits))
         set_(self, "group_axis", group_axis)
         set_(self, "group_size", group_size)
+        set_(self, "layers", int(layers))
         # flattening runs on every call of a jitted function: children and static metadata are
         # computed once
         set_(self, "_keyed", tuple((k, v) for k, v in arrays.items() if v is not None))
         set_(self, "_leaves", tuple(v for _, v in self._keyed))
-        aux = (self.shape, self.dtype.name, self.bits, group_axis, group_size)
+        aux = (self.shape, self.dtype.name, self.bits, group_axis, group_size, self.layers)
         set_(self, "_aux", (*aux, tuple(v is not None for v in arrays.values())))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -147,7 +152,7 @@ class QArray:
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], children: list[Any]) -> QArray:
-        shape, dtype, bits, group_axis, group_size, present = aux
+        shape, dtype, bits, group_axis, group_size, layers, present = aux
         it = iter(children)
         return cls(
             *(next(it) if p else None for p in present),
@@ -156,6 +161,7 @@ class QArray:
             bits=bits,
             group_axis=group_axis,
             group_size=group_size,
+            layers=layers,
         )
 
     # -- values -----------------------------------------------------------------------------------
@@ -192,7 +198,8 @@ class QArray:
     def __repr__(self) -> str:
         kind = f"int{self.bits}" + (f" group({self.group_size})" if self.group_size else "")
         zp = "" if self.zero_point is None else " asym"
-        return f"QArray({kind}{zp}, shape={self.shape}, dtype={self.dtype.name})"
+        stack = f", layers={self.layers}" if self.layers else ""
+        return f"QArray({kind}{zp}, shape={self.shape}, dtype={self.dtype.name}{stack})"
 
 
 def is_qarray(x: Any) -> bool:

@@ -18,10 +18,11 @@ from jaxq.quantize._qarray import QArray, is_qarray
 
 
 def channel_axis(qa: QArray) -> int | None:
-    """The axis of ``qa`` with one scale per index (None for a per-tensor scale)."""
+    """The axis of ``qa`` with one scale per index (None for a per-tensor scale); not the
+    leading axis of a layer stack (each layer's own channels are split)."""
     sshape = np.shape(qa.scale)
     for d, n in enumerate(sshape):
-        if n > 1 and n == qa.shape[d] and d != qa.group_axis:
+        if n > 1 and n == qa.shape[d] and d != qa.group_axis and not (qa.layers and d == 0):
             return d
     return None
 
