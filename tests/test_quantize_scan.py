@@ -326,3 +326,52 @@ def test_stacked_params_shard_by_channel_and_save(tmp_path):
     loaded = jaxq.load(qf.save(tmp_path / "stack.jaxq"))
     for a, b in zip(jax.tree.leaves(loaded(x)), jax.tree.leaves(qf(x)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- int8 KV cache ------------------------------------------------------------------------------
+
+B, T = 2, 6
+
+
+def decode(params, xs):
+    """One attention head decoding a sequence step by step, keys and values cached."""
+
+    def step(carry, x):
+        kc, vc, t = carry
+        q, k, v = x @ params["q"], x @ params["k"], x @ params["v"]
+        kc = jax.lax.dynamic_update_slice(kc, k[:, None], (0, t, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v[:, None], (0, t, 0))
+        s = jnp.einsum("bd,btd->bt", q, kc) / np.sqrt(D)
+        s = jnp.where(jnp.arange(T)[None] <= t, s, -1e9)
+        return (kc, vc, t + 1), jnp.einsum("bt,btd->bd", jax.nn.softmax(s), vc) @ params["o"]
+
+    init = (jnp.zeros((B, T, D)), jnp.zeros((B, T, D)), jnp.int32(0))
+    return jax.lax.scan(step, init, xs)[1]
+
+
+def test_an_int8_kv_cache_is_carried_as_codes_and_scales():
+    rng = np.random.default_rng(6)
+    params = {k: (rng.normal(size=(D, D)) / 3).astype(np.float32) for k in "qkvo"}
+    cal = [(rng.normal(size=(T, B, D)).astype(np.float32),) for _ in range(8)]
+    xs = rng.normal(size=(T, B, D)).astype(np.float32)
+    ref = np.asarray(decode(params, xs))
+    plain = Q(decode, params, calibration=cal, progress=False)
+    cfg = QConfig(kv_cache=True)
+    qf = Q(decode, params, calibration=cal, config=cfg, progress=False)
+    sim = Q(decode, params, calibration=cal, config=cfg, mode="simulate", progress=False)
+    (loop,) = [e for e in qf.specialize(xs).equations() if e.primitive == "scan"]
+    carried = [(str(a.dtype), tuple(a.shape)) for a in loop.in_avals]
+    assert carried.count(("int8", (B, T, D))) == 2  # keys and values: codes
+    assert carried.count(("float32", (B, T, 1))) == 2  # one scale per position (and head)
+    assert ("float32", (B, T, D)) not in carried
+    y = np.asarray(jax.jit(qf.apply)(qf.params, xs))
+    np.testing.assert_allclose(y, np.asarray(sim(xs)), rtol=1e-5, atol=1e-5)
+    assert sqnr_db(ref, y) > sqnr_db(ref, np.asarray(plain(xs))) - 1.0
+    with pytest.raises(QuantizeError, match="found no KV cache.*dynamic_update_slice"):
+        Q(
+            functools.partial(scanned, False),
+            make_params(rng, 2),
+            calibration=batches(rng),
+            config=cfg,
+            progress=False,
+        )

@@ -243,6 +243,11 @@ class QConfig:
       smoothing: SmoothQuant's migration strength ``alpha`` in [0, 1], or None (off): matmuls
         with one contracted axis quantize ``X / s`` and ``s W`` with per-input-channel
         ``s = max|X|^alpha / max|W|^(1 - alpha)`` from the calibration data (a second pass).
+      kv_cache: store a decode loop's KV cache in int8: in a ``lax.scan`` that params enter, a
+        carry the body updates with ``lax.dynamic_update_slice`` (the cache written at each step)
+        is carried as int8 codes with one float32 scale per position and head (its last axis
+        reduced, symmetric, computed when written), and dequantized where it is read. A quarter
+        of the cache's memory; quantize raises if no such carry is found.
     """
 
     weights: Scheme = Scheme(granularity="channel", narrow_range=True)
@@ -255,6 +260,7 @@ class QConfig:
     weight_calibration: str = "minmax"
     gptq_damp: float = 0.1
     smoothing: float | None = None
+    kv_cache: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, Scheme):
@@ -280,6 +286,8 @@ class QConfig:
         object.__setattr__(self, "rules", rules)
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"QConfig: dynamic must be a bool; got {self.dynamic!r}")
+        if not isinstance(self.kv_cache, bool):
+            raise TypeError(f"QConfig: kv_cache must be a bool; got {self.kv_cache!r}")
         if self.weight_calibration not in WEIGHT_CALIBRATIONS:
             raise ValueError(
                 f"QConfig: weight_calibration must be one of {WEIGHT_CALIBRATIONS}; got "

@@ -48,6 +48,7 @@ from jaxq.quantize._chains import (
     plan_chains,
     sample_mask,
 )
+from jaxq.quantize._kvcache import KVCache, cache_carries
 from jaxq.quantize._params import (
     CHAIN,
     LeafPlan,
@@ -129,6 +130,8 @@ class Engine:
         self.sink: dict[str, Any] = {}  # an observing handler's statistics
         self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
         self.stacks = 0  # how many layer stacks (scans) the current equation is inside
+        self.kv_caches: list[str] = []  # the scans whose carries became int8 KV caches
+        self.kv_on = state.config.kv_cache and mode in ("simulate", "realize")
 
     def take_inputs(self, values: list[Any]) -> list[Any]:
         """Note the activation scales the QArrays among a call's inputs carry (realize reads
@@ -160,6 +163,8 @@ class Engine:
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
         table["scan"] = self.scan_rule
+        if self.kv_on:
+            table["dynamic_update_slice"] = self.cache_write_rule
         if self.chains:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         return table
@@ -172,6 +177,7 @@ class Engine:
             return self.fold_rule(visit, *invals) if fold else visit.bind(*invals)
         k = passthrough_input(visit.eqn)
         assert k is not None  # plan_chains only plans equations with a pass-through input
+        invals = tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
         x = invals[k]
         if not isinstance(x, QTensor):
             site = self.state.sites[site_name]
@@ -194,6 +200,7 @@ class Engine:
         return [qt] if visit.eqn.primitive.multiple_results else qt
 
     def fold_rule(self, visit: Visit, *invals: Any) -> Any:
+        invals = tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
         if any(isinstance(v, WeightRef) for v in invals):
             ref = invals[0]
             if visit.primitive in CHAIN and len(invals) == 1 and isinstance(ref, WeightRef):
@@ -227,7 +234,8 @@ class Engine:
         loop = C.scan_loop(p)
         length = int(loop["length"])
         consts = list(invals[:n_consts])
-        init = [_plain(v) for v in invals[n_consts : n_consts + n_carry]]
+        init: list[Any] = [_plain(v) for v in invals[n_consts : n_consts + n_carry]]
+        init_dtypes = [jnp.asarray(v).dtype for v in init]
         xs = list(invals[n_consts + n_carry :])
         stacked = [
             isinstance(v, WeightRef) and not v.chain and not v.layers and v.value is not None
@@ -236,6 +244,14 @@ class Engine:
         if not any(stacked) and not any(isinstance(v, WeightRef) for v in consts):
             return visit.bind(*invals)
         self.inlined.add((*visit.path, C.SCAN_BODY))  # its layers are quantized, not left in a loop
+        caches: list[int] = []
+        if self.kv_on:  # (QConfig.kv_cache; calibration observes the float cache)
+            caches = cache_carries(p[C.SCAN_BODY], n_consts, n_carry)
+            if caches:
+                self.kv_caches.append(visit.name)
+            for c in caches:  # carried as (codes, scales)
+                kv = KVCache.of(init[c])
+                init[c] = (kv.codes, kv.scale)
         leaf_xs = [v.value if st else None for v, st in zip(xs, stacked, strict=True)]
         plain_xs = [None if st else _plain(v) for v, st in zip(xs, stacked, strict=True)]
         views = {i: v for i, v in enumerate(leaf_xs) if isinstance(v, QView)}
@@ -260,6 +276,9 @@ class Engine:
 
         def body(carry: list[Any], x: Any) -> Any:
             x_plain, x_leaves, x_iter = x
+            carry = list(carry)
+            for c in caches:
+                carry[c] = KVCache(carry[c][0], carry[c][1], init_dtypes[c])
             saved = (self.act_inputs, self.radii, self.sink)
             self.act_inputs, self.radii, self.sink = dict(self.act_inputs), dict(self.radii), {}
             self.stacks += 1
@@ -289,19 +308,34 @@ class Engine:
             finally:
                 self.act_inputs, self.radii, self.sink = saved
                 self.stacks -= 1
-            outs = [_plain(v) for v in outs]
+            for c in caches:
+                kv = outs[c] if isinstance(outs[c], KVCache) else KVCache.of(_plain(outs[c]))
+                outs[c] = (kv.codes, kv.scale)
+            outs = [v if i in caches else _plain(v) for i, v in enumerate(outs)]
             return outs[:n_carry], (outs[n_carry:], sink)
 
         with visit.own_scope():
             carry, (ys, sink) = lax.scan(body, init, (plain_xs, leaf_xs, per_iter), **loop)
+        carry = [
+            KVCache(v[0], v[1], init_dtypes[i]).dequantize() if i in caches else v
+            for i, v in enumerate(carry)
+        ]
         for k, v in sink.items():  # one entry per iteration (a layer's, or a loop constant's)
             for i in range(length):
                 self.sink[f"{k}@{i}"] = jax.tree.map(lambda a, i=i: a[i], v)
         return [*carry, *ys]
 
+    def cache_write_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A write into an int8 KV cache quantizes the written vectors only."""
+        cache, new, *starts = invals
+        if isinstance(cache, KVCache):
+            return cache.update(to_float(new), [to_float(s) for s in starts])
+        return visit.bind(*(to_float(v) for v in invals))
+
     def site_rule(self, visit: Visit, *invals: Any) -> Any:
         config = self.state.config
         name = visit.name
+        invals = tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
         weights, acts, rule = resolve(config, name, visit.primitive)
         if rule is not None:
             self.matched.add(rule)
@@ -495,6 +529,13 @@ def lower(
     except RewriteError as e:
         raise_cause(e)
         raise
+    if engine.kv_on and not engine.kv_caches:
+        raise QuantizeError(
+            "quantize: QConfig(kv_cache=True) found no KV cache: it looks for a lax.scan that "
+            "params enter (a decode loop) with a carry the body writes with "
+            "lax.dynamic_update_slice (whole vectors along the last axis) and returns. Pass the "
+            "weights as params and write the cache with lax.dynamic_update_slice, or drop kv_cache."
+        )
     return out, engine
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq.quantize._config import Scheme
+from jaxq.quantize._kvcache import KVCache
 from jaxq.quantize._qarray import QArray, pack_int4, packed_shape
 
 CHAIN = ("convert_element_type", "transpose", "copy", "copy_p")
@@ -123,9 +124,11 @@ class WeightRef:
 
 
 def to_float(v: Any) -> Any:
-    """The float value of a weight reference (anything else unchanged)."""
+    """The float value of a weight reference or an int8 KV cache (anything else unchanged)."""
     if isinstance(v, WeightRef):
         return v.value.dequantize() if isinstance(v.value, QView) else v.value
+    if isinstance(v, KVCache):
+        return v.dequantize()
     return v
 
 

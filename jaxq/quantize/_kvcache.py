@@ -1,0 +1,78 @@
+"""An int8 KV cache: a decode loop's cache carried as int8 codes with one scale per position and
+head (``QConfig(kv_cache=True)``).
+
+A cache is a carry of a ``lax.scan`` that the body writes with ``lax.dynamic_update_slice`` (the
+keys or values of the current step) and returns: the pattern of every KV-cache decode loop. Inside
+the body it is a :class:`KVCache`; the write quantizes only the update (each vector along the last
+axis, a head's keys or values at one position, gets its own symmetric scale), every other use reads
+the dequantized cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxq import _compat as C
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """A cache inside a decode loop's body: ``codes * scale`` in ``dtype``."""
+
+    codes: jax.Array  # int8, the cache's shape
+    scale: jax.Array  # float32, the cache's shape with its last axis 1
+    dtype: Any
+
+    @classmethod
+    def of(cls, x: Any) -> KVCache:
+        codes, scale = quantize_rows(x)
+        return cls(codes, scale, jnp.asarray(x).dtype)
+
+    def dequantize(self) -> jax.Array:
+        return (self.codes.astype(jnp.float32) * self.scale).astype(self.dtype)
+
+    def update(self, new: Any, starts: list[Any]) -> KVCache:
+        """``lax.dynamic_update_slice(cache, new, starts)`` on the codes and scales."""
+        codes, scale = quantize_rows(new)
+        return KVCache(
+            lax.dynamic_update_slice(self.codes, codes, starts),
+            lax.dynamic_update_slice(self.scale, scale, [*starts[:-1], jnp.zeros_like(starts[-1])]),
+            self.dtype,
+        )
+
+
+def quantize_rows(x: Any) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 codes of ``x`` with one scale per vector along the last axis (all-zero
+    vectors, such as unwritten cache positions, get scale 1; NaN or Inf makes the scale NaN, so
+    the vector reads back as NaN)."""
+    xf = jnp.asarray(x).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127, jnp.float32(1)) + amax * 0
+    codes = jnp.clip(jnp.round(xf / jnp.where(amax > 0, scale, 1)), -127, 127).astype(jnp.int8)
+    return codes, scale
+
+
+def cache_carries(body: Any, n_consts: int, n_carry: int) -> list[int]:
+    """The carries of a scan body that it writes with ``dynamic_update_slice`` and returns (the
+    written cache is the new carry)."""
+    jaxpr = C.as_closed(body).jaxpr
+    carry_in = jaxpr.invars[n_consts : n_consts + n_carry]
+    producers = {id(v): e for e in jaxpr.eqns for v in e.outvars}
+    found = []
+    for c, out in enumerate(jaxpr.outvars[:n_carry]):
+        e = producers.get(id(out))
+        if (
+            e is None
+            or e.primitive.name != "dynamic_update_slice"
+            or e.invars[0] is not carry_in[c]
+        ):
+            continue
+        cache, new = (v.aval.shape for v in e.invars[:2])
+        if cache and new[-1] == cache[-1]:  # whole vectors written (a scale each)
+            found.append(c)
+    return found
