@@ -375,3 +375,44 @@ def test_an_int8_kv_cache_is_carried_as_codes_and_scales():
             config=cfg,
             progress=False,
         )
+
+
+def stacked_decode(params, xs):
+    """A decode loop over a layer stack: each layer's cache is a slice of one stacked cache,
+    threaded through the layer scan as xs and back as ys (the MaxText / nn.scan layout)."""
+    layers = params["q"].shape[0]
+
+    def layer(carry, lp):
+        x, t = carry
+        p, kc, vc = lp
+        q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+        kc = jax.lax.dynamic_update_slice(kc, k[:, None], (0, t, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v[:, None], (0, t, 0))
+        s = jnp.where(jnp.arange(T)[None] <= t, jnp.einsum("bd,btd->bt", q, kc), -1e9)
+        x = x + jnp.einsum("bt,btd->bd", jax.nn.softmax(s / np.sqrt(D)), vc) @ p["o"]
+        return (x, t), (kc, vc)
+
+    def step(carry, x):
+        kc, vc, t = carry
+        (x, _), (kc, vc) = jax.lax.scan(layer, (x, t), (params, kc, vc))
+        return (kc, vc, t + 1), x
+
+    cache = jnp.zeros((layers, B, T, D))
+    return jax.lax.scan(step, (cache, cache, jnp.int32(0)), xs)[1]
+
+
+def test_an_int8_kv_cache_threads_through_a_layer_stack():
+    rng = np.random.default_rng(7)
+    params = {k: (rng.normal(size=(3, D, D)) / 4).astype(np.float32) for k in "qkvo"}
+    cal = [(rng.normal(size=(T, B, D)).astype(np.float32),) for _ in range(8)]
+    xs = rng.normal(size=(T, B, D)).astype(np.float32)
+    ref = np.asarray(stacked_decode(params, xs))
+    plain = Q(stacked_decode, params, calibration=cal, progress=False)
+    qf = Q(stacked_decode, params, calibration=cal, config=QConfig(kv_cache=True), progress=False)
+    loops = [e for e in qf.specialize(xs).equations() if e.primitive == "scan"]
+    for loop in loops:  # the step loop carries them, the layer loop slices them: int8 in both
+        avals = [(str(a.dtype), tuple(a.shape)) for a in loop.in_avals]
+        assert avals.count(("int8", (3, B, T, D))) == 2
+        assert ("float32", (3, B, T, D)) not in avals
+    y = np.asarray(jax.jit(qf.apply)(qf.params, xs))
+    assert sqnr_db(ref, y) > sqnr_db(ref, np.asarray(plain(xs))) - 1.0

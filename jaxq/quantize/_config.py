@@ -244,10 +244,11 @@ class QConfig:
         with one contracted axis quantize ``X / s`` and ``s W`` with per-input-channel
         ``s = max|X|^alpha / max|W|^(1 - alpha)`` from the calibration data (a second pass).
       kv_cache: store a decode loop's KV cache in int8: in a ``lax.scan`` that params enter, a
-        carry the body updates with ``lax.dynamic_update_slice`` (the cache written at each step)
-        is carried as int8 codes with one float32 scale per position and head (its last axis
-        reduced, symmetric, computed when written), and dequantized where it is read. A quarter
-        of the cache's memory; quantize raises if no such carry is found.
+        carry the body updates with ``lax.dynamic_update_slice`` (the cache written at each step;
+        or a stacked cache a layer scan takes as xs and writes back as ys) is carried as int8
+        codes with one float32 scale per position and head (its last axis reduced, symmetric,
+        computed when written), and dequantized where it is read. A quarter of the cache's
+        memory; quantize raises if no such carry is found.
     """
 
     weights: Scheme = Scheme(granularity="channel", narrow_range=True)

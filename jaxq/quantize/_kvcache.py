@@ -59,20 +59,28 @@ def quantize_rows(x: Any) -> tuple[jax.Array, jax.Array]:
 
 def cache_carries(body: Any, n_consts: int, n_carry: int) -> list[int]:
     """The carries of a scan body that it writes with ``dynamic_update_slice`` and returns (the
-    written cache is the new carry)."""
+    written cache is the new carry), directly or through an inner scan that takes the cache as
+    ``xs`` (a layer stack, one cache per layer) and writes each slice."""
     jaxpr = C.as_closed(body).jaxpr
-    carry_in = jaxpr.invars[n_consts : n_consts + n_carry]
-    producers = {id(v): e for e in jaxpr.eqns for v in e.outvars}
-    found = []
-    for c, out in enumerate(jaxpr.outvars[:n_carry]):
-        e = producers.get(id(out))
-        if (
-            e is None
-            or e.primitive.name != "dynamic_update_slice"
-            or e.invars[0] is not carry_in[c]
-        ):
-            continue
+    return [c for c in range(n_carry) if _written(jaxpr, n_consts + c, c)]
+
+
+def _written(jaxpr: Any, i: int, o: int) -> bool:
+    """Whether output ``o`` of ``jaxpr`` is its input ``i`` with whole vectors written in."""
+    var, out = jaxpr.invars[i], jaxpr.outvars[o]
+    producers = {id(v): (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
+    hit = producers.get(id(out))
+    if hit is None:
+        return False
+    e, k = hit
+    if e.primitive.name == "dynamic_update_slice" and e.invars[0] is var:
         cache, new = (v.aval.shape for v in e.invars[:2])
-        if cache and new[-1] == cache[-1]:  # whole vectors written (a scale each)
-            found.append(c)
-    return found
+        return bool(cache) and new[-1] == cache[-1]  # whole vectors written (a scale each)
+    if e.primitive.name == "scan":
+        n_consts, n_carry = C.scan_counts(e.params)
+        operands = [j for j, v in enumerate(e.invars) if v is var]
+        inner = C.as_closed(e.params[C.SCAN_BODY]).jaxpr
+        return k >= n_carry and any(
+            j >= n_consts + n_carry and _written(inner, j, k) for j in operands
+        )
+    return False

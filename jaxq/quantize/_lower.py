@@ -253,7 +253,11 @@ class Engine:
                 kv = KVCache.of(init[c])
                 init[c] = (kv.codes, kv.scale)
         leaf_xs = [v.value if st else None for v, st in zip(xs, stacked, strict=True)]
-        plain_xs = [None if st else _plain(v) for v, st in zip(xs, stacked, strict=True)]
+        plain_xs = [
+            None if st else _kv_arrays(v) if isinstance(v, KVCache) else _plain(v)
+            for v, st in zip(xs, stacked, strict=True)
+        ]
+        kv_dtypes = {i: v.dtype for i, v in enumerate(xs) if isinstance(v, KVCache)}
         views = {i: v for i, v in enumerate(leaf_xs) if isinstance(v, QView)}
         leaf_xs = [v.arrays() if isinstance(v, QView) else v for v in leaf_xs]
         # what each iteration reads besides its slices: its calibrated activation parameters
@@ -274,6 +278,8 @@ class Engine:
             }
         )
 
+        out_kv: dict[int, Any] = {}  # body outputs that are int8 KV caches: their dtypes
+
         def body(carry: list[Any], x: Any) -> Any:
             x_plain, x_leaves, x_iter = x
             carry = list(carry)
@@ -288,8 +294,11 @@ class Engine:
                         self.act_inputs[k] = v
                     else:
                         self.radii[k] = v
-                xs_in = []
+                xs_in: list[Any] = []
                 for i, (v, st) in enumerate(zip(x_plain, stacked, strict=True)):
+                    if i in kv_dtypes:  # one layer's slice of an int8 KV cache
+                        xs_in.append(KVCache(v["codes"], v["scale"], kv_dtypes[i]))
+                        continue
                     if not st:
                         xs_in.append(v)
                         continue
@@ -311,7 +320,11 @@ class Engine:
             for c in caches:
                 kv = outs[c] if isinstance(outs[c], KVCache) else KVCache.of(_plain(outs[c]))
                 outs[c] = (kv.codes, kv.scale)
-            outs = [v if i in caches else _plain(v) for i, v in enumerate(outs)]
+            out_kv.update({i: v.dtype for i, v in enumerate(outs) if isinstance(v, KVCache)})
+            outs = [
+                v if i in caches else _kv_arrays(v) if isinstance(v, KVCache) else _plain(v)
+                for i, v in enumerate(outs)
+            ]
             return outs[:n_carry], (outs[n_carry:], sink)
 
         with visit.own_scope():
@@ -319,6 +332,10 @@ class Engine:
         carry = [
             KVCache(v[0], v[1], init_dtypes[i]).dequantize() if i in caches else v
             for i, v in enumerate(carry)
+        ]
+        ys = [  # (the layers' int8 KV caches, stacked)
+            KVCache(y["codes"], y["scale"], out_kv[n_carry + i]) if isinstance(y, dict) else y
+            for i, y in enumerate(ys)
         ]
         for k, v in sink.items():  # one entry per iteration (a layer's, or a loop constant's)
             for i in range(length):
@@ -605,6 +622,11 @@ def simulate_handler(state: QState) -> SiteHandler:
         return poison_rows(y, bad)
 
     return handle
+
+
+def _kv_arrays(kv: KVCache) -> dict[str, Any]:
+    """An int8 KV cache as the arrays a loop carries or slices."""
+    return {"codes": kv.codes, "scale": kv.scale}
 
 
 def _plain(v: Any) -> Any:
