@@ -234,8 +234,6 @@ class Engine:
         loop = C.scan_loop(p)
         length = int(loop["length"])
         consts = list(invals[:n_consts])
-        init: list[Any] = [_plain(v) for v in invals[n_consts : n_consts + n_carry]]
-        init_dtypes = [jnp.asarray(v).dtype for v in init]
         xs = list(invals[n_consts + n_carry :])
         stacked = [
             isinstance(v, WeightRef) and not v.chain and not v.layers and v.value is not None
@@ -244,6 +242,8 @@ class Engine:
         if not any(stacked) and not any(isinstance(v, WeightRef) for v in consts):
             return visit.bind(*invals)
         self.inlined.add((*visit.path, C.SCAN_BODY))  # its layers are quantized, not left in a loop
+        init: list[Any] = [_plain(v) for v in invals[n_consts : n_consts + n_carry]]
+        init_dtypes = [jnp.asarray(v).dtype for v in init]
         caches: list[int] = []
         if self.kv_on:  # (QConfig.kv_cache; calibration observes the float cache)
             caches = cache_carries(p[C.SCAN_BODY], n_consts, n_carry)
