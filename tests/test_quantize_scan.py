@@ -416,3 +416,19 @@ def test_an_int8_kv_cache_threads_through_a_layer_stack():
         assert ("float32", (3, B, T, D)) not in avals
     y = np.asarray(jax.jit(qf.apply)(qf.params, xs))
     assert sqnr_db(ref, y) > sqnr_db(ref, np.asarray(plain(xs))) - 1.0
+
+
+@pytest.mark.parametrize(
+    "config", [QConfig(activations=None), QConfig(dynamic=True)], ids=["weight_only", "dynamic"]
+)
+def test_stacks_without_calibrated_activations(config):
+    rng = np.random.default_rng(8)
+    params = make_params(rng, 2)
+    cal = batches(rng)
+    qf = Q(
+        functools.partial(scanned, False), params, calibration=cal, config=config, progress=False
+    )
+    w1 = qf.params["stack"]["w1"]
+    assert w1.layers == 2 and w1.act_scale is None
+    x = cal[0][0]
+    assert sqnr_db(np.asarray(scanned(False, params, x)[0]), np.asarray(qf(x)[0])) > 25

@@ -538,7 +538,10 @@ def quantize_leaf(state: QState, plan: Any, value: Any) -> QArray:
         one = dataclasses.replace(plan, layers=0, shape=plan.layer_shape, act_site=None)
         value = np.asarray(value)
         parts = [_quantize_layer(state, one, value[i], f"@{i}") for i in range(plan.layers)]
-        acts = [_act_of(state, plan, f"{plan.act_site}@{i}") for i in range(plan.layers)]
+        acts = [
+            _act_of(state, plan, f"{plan.act_site}@{i}")
+            for i in range(plan.layers if plan.act_site is not None else 0)
+        ]
         return stack_qarrays(plan, parts, acts)
     act = None if plan.act_site is None else _act_of(state, plan, plan.act_site)
     return _quantize_layer(state, plan, value, "", act)
