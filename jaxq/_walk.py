@@ -69,10 +69,8 @@ class Visit(EquationView):
         subs = C.subjaxpr_params(self.eqn.params)
         if len(subs) != 1 or subs[0][1] is not None:
             raise RewriteError(f"inline: {self.name!r} ({self.primitive}) is not a call equation")
-        key, _, body = subs[0]
-        body = C.as_closed(body)
         with C.set_name_stack(self._stack):
-            outs = self._walker.eval(body.jaxpr, body.consts, list(invals), (*self.path, key))
+            outs = self.eval_body(subs[0][0], *invals)
         return outs if self.eqn.primitive.multiple_results else outs[0]
 
     def eval_body(self, key: str, *invals: Any) -> list[Any]:
@@ -80,7 +78,7 @@ class Visit(EquationView):
         same rules, inside whatever trace is current: how a rule that re-binds a loop itself
         (``lax.scan`` with a Python body) runs the loop's equations. Returns the flat outputs."""
         body = C.as_closed(self.eqn.params[key])
-        # (names as in the body of the original: relative to the loop's own trace)
+        # (under the current name stack: inside a loop's own trace, as in the original body)
         return self._walker.eval(body.jaxpr, body.consts, list(invals), (*self.path, key))
 
     def own_scope(self) -> Any:

@@ -299,8 +299,8 @@ class QuantizedFunction:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], mask: np.ndarray | None = None
     ) -> dict[str, float]:
         """:meth:`layer_sqnr`, counting only the elements at ``mask``'s valid positions."""
-        source, sim, ref_lead, sim_lead = self._simulated(*args, **kwargs)
-        source = _inline_calls(source)  # layers inside jit calls (jnp.take) are top-level in sim
+        traced, sim, ref_lead, sim_lead = self._simulated(*args, **kwargs)
+        source = _inline_calls(traced)  # layers inside jit calls (jnp.take) are top-level in sim
         quantized = {r.name for r in make_report(self.program).layers if r.status == "quantized"}
         top = {e.name for e in sim.equations() if len(e.path) == 1}
         names = [
@@ -320,7 +320,7 @@ class QuantizedFunction:
         sites = self._state.sites
         inner = [n for n, s in sites.items() if not s.in_loop and n not in names]
         if inner and self._float_params is not None:  # layers inside scans that params enter
-            ref, got = (self._stack_outputs(q, args, kwargs) for q in (False, True))
+            ref, got = self._stack_outputs(traced, args, kwargs)
             groups: dict[str, list[str]] = {}
             for k in ref:  # name@i (a stack's layer i) or name@i@j (also step j of an outer loop)
                 name, *idx = k.split("@")
@@ -330,17 +330,17 @@ class QuantizedFunction:
         return out
 
     def _stack_outputs(
-        self, quantized: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> dict[str, Any]:
+        self, source: Program, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The output of every iteration of every layer inside a scan that params enter
-        (``name@i``, nested loops adding ``@j``), in float or fake-quantized (errors of earlier
-        layers accumulating, as in :meth:`layer_sqnr`)."""
+        (``name@i``, nested loops adding ``@j``) in float and fake-quantized (errors of earlier
+        layers accumulating, as in :meth:`layer_sqnr`), from ``source`` (the float program with
+        params) in one compiled call."""
         fp = self._float_params
-        source = prepare(trace(self._fun, _specs(fp), *_specs(args), **_specs(kwargs)))
         state = self._state.replace(source=source, params=param_spec(source, 0))
         fake = simulate_handler(state)
 
-        def run(*flat: Any) -> dict[str, Any]:
+        def outputs(quantized: bool, flat: tuple[Any, ...]) -> dict[str, Any]:
             def handle(visit: Any, site: Any, qw: Any, invals: list[Any], act: Any) -> Any:
                 y = fake(visit, site, qw, invals, act) if quantized else visit.bind(*invals)
                 if engine.stacks:
@@ -352,8 +352,9 @@ class QuantizedFunction:
             interpret(source, engine.rules(), *inputs, scope="quantize", coerce=to_float)
             return engine.sink
 
+        run = jax.jit(lambda *flat: (outputs(False, flat), outputs(True, flat)))
         try:
-            return jax.device_get(jax.jit(run)(*source.flatten_args((fp, *args), kwargs)))
+            return jax.device_get(run(*source.flatten_args((fp, *args), kwargs)))
         except RewriteError as e:
             raise_cause(e)
             raise

@@ -18,6 +18,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxq import _compat as C
+from jaxq.quantize._arith import codes, range_to_qparams
+from jaxq.quantize._config import Scheme
+
+SCHEME = Scheme(symmetric=True, narrow_range=True)
+"""The cache's scheme: int8, symmetric, codes in [-127, 127]."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +52,13 @@ class KVCache:
 
 
 def quantize_rows(x: Any) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 codes of ``x`` with one scale per vector along the last axis (all-zero
-    vectors, such as unwritten cache positions, get scale 1; NaN or Inf makes the scale NaN, so
-    the vector reads back as NaN)."""
+    """Symmetric int8 codes of ``x`` with one scale per vector along the last axis, with the
+    quantize arithmetic of every scheme (all-zero vectors, such as unwritten cache positions, get
+    scale 1; NaN or Inf makes the scale NaN, so the vector reads back as NaN)."""
     xf = jnp.asarray(x).astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127, jnp.float32(1)) + amax * 0
-    codes = jnp.clip(jnp.round(xf / jnp.where(amax > 0, scale, 1)), -127, 127).astype(jnp.int8)
-    return codes, scale
+    scale, zp = range_to_qparams(-amax, amax, SCHEME)
+    return codes(xf, scale, zp, SCHEME).astype(jnp.int8), scale + amax * 0
 
 
 def cache_carries(body: Any, n_consts: int, n_carry: int) -> list[int]:

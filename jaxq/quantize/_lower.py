@@ -177,7 +177,7 @@ class Engine:
             return self.fold_rule(visit, *invals) if fold else visit.bind(*invals)
         k = passthrough_input(visit.eqn)
         assert k is not None  # plan_chains only plans equations with a pass-through input
-        invals = tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
+        invals = _read_caches(invals)
         x = invals[k]
         if not isinstance(x, QTensor):
             site = self.state.sites[site_name]
@@ -200,7 +200,7 @@ class Engine:
         return [qt] if visit.eqn.primitive.multiple_results else qt
 
     def fold_rule(self, visit: Visit, *invals: Any) -> Any:
-        invals = tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
+        invals = _read_caches(invals)
         if any(isinstance(v, WeightRef) for v in invals):
             ref = invals[0]
             if visit.primitive in CHAIN and len(invals) == 1 and isinstance(ref, WeightRef):
@@ -347,12 +347,12 @@ class Engine:
         cache, new, *starts = invals
         if isinstance(cache, KVCache):
             return cache.update(to_float(new), [to_float(s) for s in starts])
-        return visit.bind(*(to_float(v) for v in invals))
+        return visit.bind(*(_coerce(v) for v in invals))
 
     def site_rule(self, visit: Visit, *invals: Any) -> Any:
         config = self.state.config
         name = visit.name
-        invals = tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
+        invals = _read_caches(invals)
         weights, acts, rule = resolve(config, name, visit.primitive)
         if rule is not None:
             self.matched.add(rule)
@@ -540,7 +540,7 @@ def lower(
                 specs,
                 lambda flat: engine.take_inputs(source_inputs(state, in_tree, flat, quantized)),
                 scope="quantize",
-                coerce=to_float,
+                coerce=_coerce,
             )
             out = source.with_jaxpr(closed, in_tree=in_tree, in_paths=paths)
     except RewriteError as e:
@@ -624,6 +624,12 @@ def simulate_handler(state: QState) -> SiteHandler:
     return handle
 
 
+def _read_caches(invals: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Operands with any int8 KV cache read (dequantized): what a rule that does not write it
+    sees."""
+    return tuple(v.dequantize() if isinstance(v, KVCache) else v for v in invals)
+
+
 def _kv_arrays(kv: KVCache) -> dict[str, Any]:
     """An int8 KV cache as the arrays a loop carries or slices."""
     return {"codes": kv.codes, "scale": kv.scale}
@@ -631,7 +637,13 @@ def _kv_arrays(kv: KVCache) -> dict[str, Any]:
 
 def _plain(v: Any) -> Any:
     """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""
-    return v.dequantize() if isinstance(v, QTensor) else to_float(v)
+    return v.dequantize() if isinstance(v, QTensor) else _coerce(v)
+
+
+def _coerce(v: Any) -> Any:
+    """What an equation without a rule receives: a weight's float value, an int8 KV cache
+    read."""
+    return v.dequantize() if isinstance(v, KVCache) else to_float(v)
 
 
 def _stacked_keys(table: Mapping[str, Any], length: int) -> list[str]:

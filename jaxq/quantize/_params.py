@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq.quantize._config import Scheme
-from jaxq.quantize._kvcache import KVCache
 from jaxq.quantize._qarray import QArray, pack_int4, packed_shape
 
 CHAIN = ("convert_element_type", "transpose", "copy", "copy_p")
@@ -124,11 +123,9 @@ class WeightRef:
 
 
 def to_float(v: Any) -> Any:
-    """The float value of a weight reference or an int8 KV cache (anything else unchanged)."""
+    """The float value of a weight reference (anything else unchanged)."""
     if isinstance(v, WeightRef):
         return v.value.dequantize() if isinstance(v.value, QView) else v.value
-    if isinstance(v, KVCache):
-        return v.dequantize()
     return v
 
 
@@ -215,13 +212,31 @@ class LeafPlan:
         sds = jax.ShapeDtypeStruct
         scale = self._stack(self.scale_shape())
         act = (self.layers,) if self.layers else ()
-        return QArray(
+        sums = None if self.sum_axes is None else sds(self._stack(self.sums_shape()), np.int32)
+        return self.qarray(
             sds(codes, np.int8),
             sds(scale, np.float32),
-            None if s.symmetric else sds(scale, np.int32),
-            None if self.sum_axes is None else sds(self._stack(self.sums_shape()), np.int32),
-            None if self.act_site is None else sds(act, np.float32),
-            sds(act, np.int32) if self.act_site is not None and self.act_asymmetric else None,
+            sds(scale, np.int32),
+            sums,
+            sds(act, np.float32),
+            sds(act, np.int32),
+        )
+
+    def qarray(
+        self, codes: Any, scale: Any, zero_point: Any, sums: Any, act_scale: Any, act_zp: Any
+    ) -> QArray:
+        """The QArray of these arrays with this plan's metadata, keeping only those the plan
+        stores (no zero point for a symmetric scheme, no activation scale without
+        ``act_site``...)."""
+        s = self.scheme
+        has_act = self.act_site is not None
+        return QArray(
+            codes,
+            scale,
+            None if s.symmetric else zero_point,
+            None if self.sum_axes is None else sums,
+            act_scale if has_act else None,
+            act_zp if has_act and self.act_asymmetric else None,
             shape=self.shape,
             dtype=self.dtype,
             bits=s.bits,
@@ -260,47 +275,34 @@ def to_qarray(
     sums = None
     if plan.sum_axes is not None:
         sums = codes.astype(np.int64).sum(axis=plan.sum_axes, keepdims=True).astype(np.int32)
-    return QArray(
+    if act is None:
+        plan = dataclasses.replace(plan, act_site=None)
+    return plan.qarray(
         jnp.asarray(pack_int4(codes) if s.bits <= 4 else codes),
         jnp.asarray(scale),
-        None if s.symmetric else jnp.asarray(zp),
+        jnp.asarray(zp),
         None if sums is None else jnp.asarray(sums),
         None if act is None else jnp.float32(act.scale),
-        jnp.int32(act.zero_point) if act is not None and plan.act_asymmetric else None,
-        shape=plan.shape,
-        dtype=plan.dtype,
-        bits=s.bits,
-        group_axis=plan.group_axis,
-        group_size=s.group_size,
+        None if act is None else jnp.int32(act.zero_point),
     )
 
 
 def stack_qarrays(plan: LeafPlan, layers: Sequence[QArray], acts: Sequence[Any]) -> QArray:
     """The QArray of a stacked leaf from its layers' QArrays (quantized one by one, each with
-    scales of its own) and each layer's ``ActParams`` (for ``plan.act_site``)."""
-    s = plan.scheme
+    scales of its own) and each layer's ``ActParams`` (for ``plan.act_site``; none without)."""
     stack = lambda vs: None if vs[0] is None else np.stack([np.asarray(v) for v in vs])
     codes = np.stack([np.asarray(q.int_codes()) for q in layers])
-    per_layer = lambda v: v.reshape(plan._stack(plan.scale_shape()))
-    scale = per_layer(stack([q.scale for q in layers]))
-    zp = stack([q.zero_point for q in layers])
+    per_layer = lambda v: (
+        None if v is None else jnp.asarray(v.reshape(plan._stack(plan.scale_shape())))
+    )
     sums = stack([q.sums for q in layers])
-    act = plan.act_site is not None
-    return QArray(
-        jnp.asarray(pack_int4(codes) if s.bits <= 4 else codes),
-        jnp.asarray(scale),
-        None if zp is None else jnp.asarray(per_layer(zp)),
+    return plan.qarray(
+        jnp.asarray(pack_int4(codes) if plan.scheme.bits <= 4 else codes),
+        per_layer(stack([q.scale for q in layers])),
+        per_layer(stack([q.zero_point for q in layers])),
         None if sums is None else jnp.asarray(sums),
-        jnp.asarray([a.scale for a in acts], jnp.float32) if act else None,
-        jnp.asarray([a.zero_point for a in acts], jnp.int32)
-        if act and plan.act_asymmetric
-        else None,
-        shape=plan.shape,
-        dtype=plan.dtype,
-        bits=s.bits,
-        group_axis=plan._axis(plan.group_axis),
-        group_size=s.group_size,
-        layers=plan.layers,
+        jnp.asarray([a.scale for a in acts], jnp.float32) if acts else None,
+        jnp.asarray([a.zero_point for a in acts], jnp.int32) if acts else None,
     )
 
 

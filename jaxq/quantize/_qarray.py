@@ -37,12 +37,17 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
 def unpack_int4(packed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Inverse of :func:`pack_int4`: two arithmetic shifts (sign extension) and a concatenate,
     which XLA fuses into the consumer's loop."""
-    lo = lax.shift_right_arithmetic(lax.shift_left(packed, jnp.int8(4)), jnp.int8(4))
-    hi = lax.shift_right_arithmetic(packed, jnp.int8(4))
+    lo, hi = nibbles(packed)
     axis = pack_axis(shape)
     if axis is None:
         return jnp.concatenate([lo, hi])[: math.prod(shape)].reshape(shape)
     return jnp.concatenate([lo, hi], axis=axis)
+
+
+def nibbles(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The low and high signed nibbles of int4 bytes (see :func:`pack_int4`)."""
+    lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
+    return lo, lax.shift_right_arithmetic(b, jnp.int8(4))
 
 
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

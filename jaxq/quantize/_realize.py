@@ -43,6 +43,7 @@ from jaxq.quantize._arith import act_qparams, codes, int8_codes, storage_offset
 from jaxq.quantize._chains import QTensor
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import SiteHandler, lower
+from jaxq.quantize._qarray import nibbles
 from jaxq.quantize._qarray import pack_axis as pack_axis
 from jaxq.quantize._qarray import pack_int4 as pack_int4
 from jaxq.quantize._qarray import unpack_int4 as unpack_int4
@@ -471,12 +472,6 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     return y * scale.reshape(shape)
 
 
-def _nibbles(b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The low and high signed nibbles of int4 bytes (see ``pack_int4``)."""
-    lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
-    return lo, lax.shift_right_arithmetic(b, jnp.int8(4))
-
-
 def _fill(visit: Visit, value: Any) -> dict[str, Any]:
     """The ``fill_value`` param of a gather of another dtype: ``value`` where the gather fills
     (``mode="fill"``), none to change otherwise."""
@@ -508,11 +503,11 @@ def _gather_codes(visit: Visit, qw: QWeight, idx: jax.Array, k: int) -> jax.Arra
         b = visit.bind(packed, idx, slice_sizes=tuple(sizes), **_fill(visit, 0))
         kept = [d for d in range(len(shape)) if d not in dn.collapsed_slice_dims]
         out_axis = dn.offset_dims[kept.index(axis)]
-        return jnp.concatenate(_nibbles(b), axis=out_axis)
+        return jnp.concatenate(nibbles(b), axis=out_axis)
     half = shape[k] // 2
     high = idx >= half
     b = visit.bind(packed, jnp.where(high, idx - half, idx), **_fill(visit, 0))
-    lo, hi = _nibbles(b)
+    lo, hi = nibbles(b)
     sel = jnp.expand_dims(high[..., 0], tuple(dn.offset_dims))  # [batch..] -> the output's rank
     return jnp.where(sel, hi, lo)
 

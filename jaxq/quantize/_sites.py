@@ -204,9 +204,9 @@ def dot_to_out(v: Any, operand: int, dn: Any, ranks: tuple[int, int]) -> Any:
         if d not in (lc, rc)[1 - operand] and d not in (lb, rb)[1 - operand]
     ]
     kept = [*batch, *free]
+    sizes = tuple(np.shape(v)[d] for d in kept)
     if kept != sorted(kept):  # (the contracted axes have size 1: only the others' order counts)
         v = xp.transpose(v, [*kept, *contract])
-    sizes = tuple(np.shape(v)[d] for d in kept) if kept == sorted(kept) else v.shape[: len(kept)]
     ones = (1,) * len(other_free)
     nb = len(batch)
     shape = sizes[:nb] + (ones + sizes[nb:] if operand == 1 else sizes[nb:] + ones)
@@ -223,11 +223,10 @@ def nonfinite_rows(visit: Visit, site: Site, a: Any) -> jax.Array | None:
         mask = a.bad
         if mask is None:
             return None
+        poison = lambda bad: jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
         if np.ndim(mask) == 0:
-            return jnp.where(mask, jnp.float32(jnp.nan), jnp.float32(0))
-        reduce = lambda axes, keep: jnp.where(
-            jnp.any(mask, axis=axes, keepdims=keep), jnp.float32(jnp.nan), jnp.float32(0)
-        )
+            return poison(mask)
+        reduce = lambda axes, keep: poison(jnp.any(mask, axis=axes, keepdims=keep))
     elif not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
         return None
     else:  # max |a| of a row is NaN or Inf exactly where the row holds one (XLA's max
