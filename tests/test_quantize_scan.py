@@ -328,6 +328,73 @@ def test_stacked_params_shard_by_channel_and_save(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        QConfig(
+            weights=Scheme(bits=4, granularity="channel"),
+            activations=None,
+            weight_calibration="gptq",
+        ),
+        QConfig(
+            weights=Scheme(bits=4, granularity="channel"),
+            activations=None,
+            weight_calibration="awq",
+        ),
+        QConfig(smoothing=0.5),
+    ],
+    ids=["gptq", "awq", "smoothquant"],
+)
+def test_data_driven_weight_methods_work_per_layer_of_a_stack(config):
+    """GPTQ's ``X^T X``, AWQ's and SmoothQuant's factors are collected per iteration: each layer
+    of the stack gets the codes (and factors) it would get quantized alone, exactly."""
+    rng = np.random.default_rng(9)
+    params = make_params(rng, 3, spread=3.0)
+    cal = batches(rng, n=3, rows=16)
+    x = cal[0][0]
+    got = Q(
+        functools.partial(scanned, False), params, calibration=cal, config=config, progress=False
+    )
+    want = Q(
+        functools.partial(unrolled, False),
+        per_layer(params),
+        calibration=cal,
+        config=config,
+        progress=False,
+    )
+    info = get_state(got.program, "test").calibration
+    layers = {"gptq": "gptq_layers", "awq": "awq_layers"}.get(
+        config.weight_calibration, "smoothed_layers"
+    )
+    assert info[layers] == get_state(want.program, "test").calibration[layers] == 7  # 3 x 2 + head
+    for i, alone in enumerate(want.params["layers"]):
+        for k in ("w1", "w2"):
+            np.testing.assert_array_equal(
+                np.asarray(got.params["stack"][k].codes[i]), np.asarray(alone[k].codes)
+            )
+    for a, b in zip(jax.tree.leaves(got(x)), jax.tree.leaves(want(x)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_table_read_as_floats_is_not_smoothed():
+    """A table that an embedding lookup reads as floats and a smoothed matmul reads as its
+    weight (a tied output projection) keeps codes of the weight itself (not ``s W``)."""
+    rng = np.random.default_rng(10)
+    params = {"emb": rng.normal(size=(20, D)).astype(np.float32)}
+
+    def lm(params, ids):
+        h = jnp.tanh(params["emb"][ids] * 2)
+        return h @ params["emb"].T
+
+    cal = [(rng.integers(0, 20, size=(4, 6)),) for _ in range(3)]
+    ids = cal[0][0]
+    ref = np.asarray(lm(params, ids))
+    for config in (QConfig(smoothing=0.5), QConfig(activations=None, weight_calibration="awq")):
+        qf = Q(lm, params, calibration=cal, config=config, progress=False)
+        assert not get_state(qf.program, "test").smooth
+        assert sqnr_db(ref, np.asarray(qf(ids))) > 25
+
+
 # ---- int8 KV cache ------------------------------------------------------------------------------
 
 B, T = 2, 6

@@ -85,3 +85,27 @@ def test_smoothing_validation():
         QConfig(smoothing=1.5)
     with pytest.raises(TypeError, match="smoothing must be a number"):
         QConfig(smoothing="auto")
+
+
+def test_awq_protects_the_weights_of_large_activation_channels():
+    """With a few input channels carrying activations 30x the rest, AWQ's per-channel scaling
+    lowers the layer's output error against plain int4 rounding (per output channel), and the
+    factors it chose are the ones the program applies."""
+    rng = np.random.default_rng(3)
+    gain = np.ones(64, np.float32)
+    gain[:4] = 30.0
+    w = rng.normal(size=(64, 32)).astype(np.float32)
+    xs = [(rng.normal(size=(128, 64)).astype(np.float32) * gain,) for _ in range(4)]
+    x = rng.normal(size=(256, 64)).astype(np.float32) * gain
+    w4 = Scheme(bits=4, granularity="channel")
+    err = {}
+    for method in ("minmax", "awq"):
+        cfg = QConfig(weights=w4, activations=None, weight_calibration=method)
+        qf = Q(lambda p, x: x @ p["w"], {"w": w}, calibration=xs, config=cfg, progress=False)
+        err[method] = float(np.mean((np.asarray(qf(x)) - x @ w) ** 2))
+        if method == "awq":
+            state = get_state(qf.program, "test")
+            (s,) = state.smooth.values()
+            assert s[:4].min() > s[4:].max()  # the loud channels are scaled up
+            assert "awq" in qf.report().layers[0].weights
+    assert err["awq"] < 0.8 * err["minmax"], err

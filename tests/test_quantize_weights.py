@@ -145,7 +145,9 @@ def test_mse_clipping_never_worse_than_minmax(seed, gran, symmetric):
 
 def test_weight_calibration_validation():
     with pytest.raises(ValueError, match="weight_calibration must be one of"):
-        QConfig(weight_calibration="awq")
+        QConfig(weight_calibration="hqq")
+    with pytest.raises(ValueError, match="choose one"):
+        QConfig(weight_calibration="awq", smoothing=0.5)
     with pytest.raises(ValueError, match="gptq_damp"):
         QConfig(gptq_damp=0)
     with pytest.raises(TypeError, match="gptq_damp"):

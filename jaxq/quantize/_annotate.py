@@ -79,6 +79,7 @@ def annotate_program(
         weights=engine.weights,
         leaves=engine.leaves,
         site_leaves=engine.site_leaves,
+        float_leaves=frozenset(engine.float_leaves),
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,
     )

@@ -711,11 +711,15 @@ def quantize(
                 "quantize: the calibration data is empty; pass at least one tuple of arguments"
             ) from None
         batches = itertools.chain([first], it)
-    gptq = config.weight_calibration == "gptq"
+    gptq = config.weight_calibration in ("gptq", "awq")
     smooth = config.smoothing is not None
     needs_data = (config.activations is not None and not config.dynamic) or gptq or smooth
     if batches is None and (gptq or smooth):
-        what = "weight_calibration='gptq' chooses weight codes" if gptq else "smoothing measures"
+        what = (
+            f"weight_calibration={config.weight_calibration!r} chooses weight codes"
+            if gptq
+            else "smoothing measures"
+        )
         raise QuantizeError(
             f"quantize: {what} from calibration data.\nPass calibration=[(x1,), (x2,), ...]."
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -18,9 +19,17 @@ from jax import lax
 from jaxq._program import Program
 from jaxq._walk import RewriteError, interpret
 from jaxq.quantize._annotate import check_sites, float_source
-from jaxq.quantize._arith import range_to_qparams
+from jaxq.quantize._arith import dequantized_weight, quantize_weight, range_to_qparams
+from jaxq.quantize._awq import awq_factors
 from jaxq.quantize._config import CALIBRATIONS, QConfig
-from jaxq.quantize._lower import Engine, lower, raise_cause, simulate_handler, source_inputs
+from jaxq.quantize._lower import (
+    ARRAY_STATS,
+    Engine,
+    lower,
+    raise_cause,
+    simulate_handler,
+    source_inputs,
+)
 from jaxq.quantize._observers import Observer, batch_stats
 from jaxq.quantize._params import to_float
 from jaxq.quantize._sites import gptq_input_axis
@@ -115,11 +124,14 @@ def _conv_gram(visit: Any, site: Site, a: jax.Array) -> jax.Array | None:
 
 
 def _observer_fn(
-    state: QState, source: Program, histogram: bool, gptq: bool, absmax: bool
+    state: QState, source: Program, histogram: bool, gptq: bool, absmax: bool, weights: bool
 ) -> Callable[..., Any]:
     """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program. With ``gptq``,
-    also each eligible layer's ``X^T X`` under ``name + ":gram"``; with ``absmax``, only each
-    smoothable layer's per-input-channel ``max |X|`` under ``name + ":absmax"``."""
+    also each eligible layer's ``X^T X`` under ``name + ":gram"``; with ``weights`` (AWQ's first
+    pass), only each matmul's ``X^T X`` and its weight as the layer sees it (``name + ":weight"``);
+    with ``absmax`` (SmoothQuant's), only each smoothable layer's per-input-channel ``max |X|``
+    under ``name + ":absmax"``. Inside a layer stack every key is the iteration's (``name@i``,
+    ``name@i:gram``)."""
 
     def run(radii: dict[str, Any], *flat: Any) -> dict[str, Any]:
         def handle(visit: Any, site: Site, qw: QWeight | None, invals: list[Any], act: Any) -> Any:
@@ -128,9 +140,7 @@ def _observer_fn(
                 return y
             stats, radii = engine.sink, engine.radii  # (inside a layer stack: the iteration's)
             a = invals[1 - site.weight_index]
-            # (SmoothQuant, GPTQ and fixed-point requantize leave the layers of a stack alone)
-            stack = engine.stacks > 0
-            axis = None if stack else gptq_input_axis(visit, site)
+            axis = gptq_input_axis(visit, site)
             if absmax:
                 if axis is not None and site.activations is not None:
                     (k_axis,) = site.contract_axes
@@ -139,13 +149,20 @@ def _observer_fn(
                         invals[site.weight_index], k_axis
                     )
                 return y
-            if gptq and not stack:
+            if weights:  # (AWQ's first pass: nothing else)
+                if axis is not None:
+                    stats[site.name + ":gram"] = _gram(a, axis)
+                    stats[site.name + ":weight"] = invals[site.weight_index]
+                return y
+            if gptq:
                 gram = _gram(a, axis) if axis is not None else _conv_gram(visit, site, a)
                 if gram is not None:
                     stats[site.name + ":gram"] = gram
             if site.activations is not None:
                 stats[site.name] = batch_stats(a, radii.get(site.name))
                 out_key = site.name + ":out"
+                # (fixed-point requantize leaves the layers of a stack alone)
+                stack = engine.stacks > 0
                 if not stack and (out_key in radii or state.config.requantize == "fixed_point"):
                     stats[out_key] = batch_stats(y, radii.get(out_key))
             return y
@@ -192,6 +209,34 @@ def _by_observer(stats: dict[str, Any], observers: dict[str, Observer]) -> dict[
     return out
 
 
+def _layer_arrays(
+    stats: dict[str, Any], layers: set[str]
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Split the per-layer arrays (``:gram`` ...) off a batch's statistics, keyed by the
+    ``layers`` they belong to: a loop constant's reports of every iteration (``name@i:gram``)
+    are kept under ``name`` and accumulated by the caller like those of further batches."""
+    arrays: dict[str, list[np.ndarray]] = {}
+    rest = {}
+    for k, v in stats.items():
+        if not k.endswith(ARRAY_STATS):
+            rest[k] = v
+            continue
+        name, kind = k.rsplit(":", 1)
+        while name not in layers and "@" in name:
+            name = name.rpartition("@")[0]
+        arrays.setdefault(f"{name}:{kind}", []).append(np.asarray(v, np.float64))
+    return rest, {k: _accumulate(k, vs) for k, vs in arrays.items()}
+
+
+def _accumulate(key: str, values: list[np.ndarray]) -> np.ndarray:
+    """Second moments add up, ranges take the maximum, a weight is the same every time."""
+    if key.endswith(":gram"):
+        return np.sum(values, axis=0)
+    if key.endswith(":weight"):
+        return values[0]
+    return np.max(values, axis=0)
+
+
 def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
     if not np.all(np.isfinite(v)):
         raise QuantizeError(
@@ -210,10 +255,13 @@ def _observe(
     absmax: bool,
     progress: bool,
     retrace: Callable[..., Program] | None,
+    weights: bool = False,
 ) -> tuple[dict[str, Observer], dict[str, np.ndarray], int]:
     """One pass over the calibration data: the observers of ``keys``, and the accumulated
-    ``:gram`` (sum) / ``:absmax`` (max) arrays by layer name, and the number of batches."""
+    ``:gram`` (sum) / ``:absmax`` (max) / ``:weight`` arrays by layer key (``name``, or
+    ``name@i`` in a layer stack), and the number of batches."""
     observers = {k: Observer(k, histogram) for k, _ in keys}
+    layers = {k for site in state.sites.values() for k in site.act_keys()}
     arrays: dict[str, np.ndarray] = {}
     fns: dict[Any, tuple[Program, Callable[..., Any]]] = {}
     n = 0
@@ -239,10 +287,10 @@ def _observe(
                         f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
                         f"{type(e2).__name__}: {e2}"
                     ) from e2
-            fns[key] = (source, _observer_fn(state, source, histogram, gptq, absmax))
+            fns[key] = (source, _observer_fn(state, source, histogram, gptq, absmax, weights))
         source, fn = fns[key]
         flat = source.flatten_args(args, {})
-        if not observers and not gptq and not absmax:
+        if not observers and not gptq and not absmax and not weights:
             continue
         radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
         try:
@@ -250,14 +298,11 @@ def _observe(
         except RewriteError as e:
             raise_cause(e)
             raise
-        stats = _by_observer(jax.device_get(stats), observers)
-        for k in [k for k in stats if k.endswith((":gram", ":absmax", ":wabsmax"))]:
-            name, kind = k.rsplit(":", 1)
-            v = np.asarray(stats.pop(k), np.float64)
-            _check_finite(name, v, n - 1)
-            if k in arrays:
-                v = arrays[k] + v if kind == "gram" else np.maximum(arrays[k], v)
-            arrays[k] = v
+        stats, new = _layer_arrays(jax.device_get(stats), layers)
+        stats = _by_observer(stats, observers)
+        for k, v in new.items():
+            _check_finite(k.rsplit(":", 1)[0], v, n - 1)
+            arrays[k] = _accumulate(k, [arrays[k], v]) if k in arrays else v
         for k, s in stats.items():
             if int(s["nonfinite"]):
                 raise QuantizeError(
@@ -275,8 +320,9 @@ def _observe(
                     grown = True
             if grown or not radii:
                 radii = {k: np.float32(o.radius) for k, o in observers.items()}
-                stats = _by_observer(jax.device_get(fn(radii, *flat)), observers)
-                stats = {k: v for k, v in stats.items() if not k.endswith(":gram")}
+                stats = _by_observer(
+                    _layer_arrays(jax.device_get(fn(radii, *flat)), layers)[0], observers
+                )
         for k, s in stats.items():
             observers[k].update(s)
     if n == 0:
@@ -284,6 +330,45 @@ def _observe(
             "calibrate: the calibration data is empty; pass at least one tuple of arguments"
         )
     return observers, arrays, n
+
+
+def _shared_leaves(state: QState, smooth: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Smoothing factors with every layer of a shared param leaf using those of the layer the
+    leaf is quantized for: one set of codes holds ``s W``, so every layer reading it divides its
+    activation by the same ``s``. A leaf that also feeds a layer without factors (a tied
+    embedding table's lookup), or that some equation reads as floats, is not smoothed."""
+    by_leaf = collections.defaultdict(list)
+    for name, leaf in state.site_leaves.items():
+        by_leaf[leaf].append(name)
+    out = dict(smooth)
+    for leaf, names in by_leaf.items():
+        if len(names) < 2 and leaf not in state.float_leaves:
+            continue
+        owner = state.sites[state.leaves[leaf].site].act_keys()
+        pairs = [
+            (k, o)
+            for name in names
+            for k, o in zip(state.sites[name].act_keys(), owner, strict=False)
+        ]
+        keys = [k for name in names for k in state.sites[name].act_keys()]
+        ok = (
+            leaf not in state.float_leaves
+            and len(pairs) == len(keys)
+            and all(o in smooth for _, o in pairs)
+        )
+        for k in keys:
+            out.pop(k, None)
+        if ok:
+            out.update({k: smooth[o] for k, o in pairs})
+    return out
+
+
+def _awq_of(state: QState, key: str, w: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """AWQ's factors for layer ``key`` (``name`` or ``name@i``), ``w`` as the layer sees it."""
+    site = state.sites[key.partition("@")[0]]
+    (k_axis,) = site.contract_axes
+    fake = lambda v: dequantized_weight(quantize_weight(v, site), np.float32)
+    return awq_factors(w.astype(np.float32), k_axis, gram, fake)
 
 
 def calibrate_program(
@@ -319,17 +404,32 @@ def calibrate_program(
     histogram = method != "minmax"
     gptq = config.weight_calibration == "gptq"
     observe = functools.partial(_observe, progress=progress, retrace=retrace)
-    if config.smoothing is not None:
-        # Pass 1 measures each input channel's range; pass 2 calibrates the smoothed operands.
+    if config.smoothing is not None or config.weight_calibration == "awq":
+        # Pass 1 measures what the factors need (each input channel's range, or X^T X and the
+        # weight); pass 2 calibrates the smoothed operands.
         if iter(data) is data:  # a one-shot iterator: keep the batches for the second pass
             data = list(data)
-        _, ranges, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
-        absmax = {k.removesuffix(":absmax"): v for k, v in ranges.items() if k.endswith(":absmax")}
-        smooth = {
-            name: factors(a, ranges[name + ":wabsmax"], config.smoothing)
-            for name, a in absmax.items()
-        }
-        weights = {k: v for k, v in state.weights.items() if k not in absmax}
+        absmax: dict[str, np.ndarray] = {}
+        if config.smoothing is not None:
+            _, ranges, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
+            absmax = {
+                k.removesuffix(":absmax"): v for k, v in ranges.items() if k.endswith(":absmax")
+            }
+            smooth = {
+                name: factors(a, ranges[name + ":wabsmax"], config.smoothing)
+                for name, a in absmax.items()
+            }
+        else:
+            _, arrays, _ = observe(
+                state, data, keys=[], histogram=False, gptq=False, absmax=False, weights=True
+            )
+            smooth = {
+                name: _awq_of(state, name, arrays[name + ":weight"], arrays[name + ":gram"])
+                for name in (k.removesuffix(":weight") for k in arrays if k.endswith(":weight"))
+            }
+        smooth = _shared_leaves(state, smooth)
+        absmax = {k: v for k, v in absmax.items() if k in smooth}
+        weights = {k: v for k, v in state.weights.items() if k not in smooth}
         state = state.replace(act_absmax=absmax, smooth=smooth, weights=weights)
     keys = _observed_keys(state)
     observers, arrays, n = observe(
@@ -364,7 +464,10 @@ def calibrate_program(
         info["weights"] = "gptq"
         info["gptq_layers"] = len(grams)
     if config.smoothing is not None:
-        info["smoothed_layers"] = len(state.act_absmax)
+        info["smoothed_layers"] = len(state.smooth)
+    if config.weight_calibration == "awq":
+        info["weights"] = "awq"
+        info["awq_layers"] = len(state.smooth)
     state = state.replace(act=act, calibration=info)
     if state.params is not None:  # the codes are chosen per leaf by quantize_params
         state = state.replace(grams={k: v.astype(np.float32) for k, v in grams.items()})

@@ -105,7 +105,7 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
             or site.activations is None
             or site.activations.granularity != "tensor"
             or name not in state.act
-            or name in state.act_absmax  # smoothed: divided per channel before quantizing
+            or name in state.smooth  # smoothed: divided per channel before quantizing
             or not jnp.issubdtype(shaped_aval(e.invars[1 - site.weight_index]).dtype, jnp.floating)
         ):
             continue

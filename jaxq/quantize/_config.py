@@ -12,7 +12,7 @@ from jaxq.annotate._simulated_quantize import ROUNDINGS
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token")
 CALIBRATIONS: tuple[str, ...] = ("minmax", "percentile", "entropy", "mse")
 REQUANTIZE: tuple[str, ...] = ("float", "fixed_point")
-WEIGHT_CALIBRATIONS: tuple[str, ...] = ("minmax", "mse", "gptq")
+WEIGHT_CALIBRATIONS: tuple[str, ...] = ("minmax", "mse", "gptq", "awq")
 INHERIT: Any = ...
 """``Rule(weights=...)``: the rule keeps the QConfig's scheme for that side."""
 
@@ -239,6 +239,11 @@ class QConfig:
         clipped to the ratio that minimises the weight's squared error (helps 4-bit).
         ``"gptq"``: minmax scales, codes chosen by GPTQ to minimise the layer's output error on
         the calibration data (matmuls with one contracted axis; other layers use minmax).
+        ``"awq"``: AWQ, activation-aware scaling: each input channel of a matmul's weight is
+        multiplied by ``s_k = m_k^alpha`` before minmax rounding and the activation divided by
+        it, with ``m_k`` the channel's RMS on the calibration data and ``alpha`` in [0, 1]
+        chosen per layer to minimise the layer's output error (a weight-side method: it keeps
+        the accuracy of few-bit weights where a few channels carry large activations).
       gptq_damp: for ``"gptq"``, the share of the mean diagonal added to ``X^T X``.
       smoothing: SmoothQuant's migration strength ``alpha`` in [0, 1], or None (off): matmuls
         with one contracted axis quantize ``X / s`` and ``s W`` with per-input-channel
@@ -301,6 +306,11 @@ class QConfig:
                 raise ValueError(
                     "QConfig: smoothing moves activation outliers into the weights; it needs "
                     "quantized activations (got activations=None). Drop smoothing for weight-only."
+                )
+            if self.weight_calibration == "awq":
+                raise ValueError(
+                    "QConfig: smoothing and weight_calibration='awq' both scale the input "
+                    "channels of a layer; choose one"
                 )
         if self.requantize == "fixed_point" and (self.activations is None or self.dynamic):
             raise ValueError(

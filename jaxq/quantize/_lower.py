@@ -94,6 +94,19 @@ LOOP_REASON = (
     "inside a scan / while / cond body that no stacked param enters: stays float (a layer stack "
     "is quantized where its weights are params passed as the scan's xs)"
 )
+ARRAY_STATS = (":gram", ":absmax", ":wabsmax", ":weight")
+"""Suffixes of the per-layer arrays calibration collects (GPTQ / AWQ / SmoothQuant statistics)
+beside the activation statistics, which are keyed by the layer's name (``:out``: its output)."""
+
+
+def iteration_key(key: str, i: int) -> str:
+    """The statistic ``key`` of iteration ``i`` of a loop: ``name@i`` (``name@i:kind``)."""
+    for kind in (*ARRAY_STATS, ":out"):
+        if key.endswith(kind):
+            return f"{key.removesuffix(kind)}@{i}{kind}"
+    return f"{key}@{i}"
+
+
 NO_WEIGHT_REASON = (
     "no weight operand (both are activations; a weight passed as an argument must be in params: "
     "jaxq.quantize(f, params, ...))"
@@ -127,6 +140,8 @@ class Engine:
         self.matched: set[int] = set()
         self.inlined: set[tuple[Any, ...]] = {()}
         self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
+        self.smooth_inputs: dict[str, Any] = {}  # site -> the iteration's smoothing factors
+        self.float_leaves: set[int] = set()  # param leaves some equation reads as floats
         self.sink: dict[str, Any] = {}  # an observing handler's statistics
         self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
         self.stacks = 0  # how many layer stacks (scans) the current equation is inside
@@ -158,6 +173,11 @@ class Engine:
             return scale, np.float32(0)
         return scale, jnp.asarray(zp).astype(jnp.float32)
 
+    def smoothing(self, name: str) -> Any:
+        """A layer's per-input-channel smoothing factors (SmoothQuant, AWQ): the current
+        iteration's in a layer stack; None where it is not smoothed."""
+        return self.smooth_inputs.get(name, self.state.smooth.get(name))
+
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
         table.update({p: self.fold_rule for p in FOLDABLE})
@@ -168,6 +188,25 @@ class Engine:
         if self.chains:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         return table
+
+    def coerce(self, v: Any) -> Any:
+        """What an equation without a rule receives: a weight's float value (noting that its
+        leaf is read as floats), an int8 KV cache read."""
+        if isinstance(v, WeightRef):
+            self.float_leaves.add(v.leaf)
+        return v.dequantize() if isinstance(v, KVCache) else to_float(v)
+
+    def plain(self, v: Any) -> Any:
+        """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""
+        return v.dequantize() if isinstance(v, QTensor) else self.coerce(v)
+
+    def _same_smoothing(self, a: str, b: str) -> bool:
+        """Whether layers ``a`` and ``b`` scale their input channels alike (or neither does):
+        then one set of codes serves both."""
+        smooth = self.state.smooth
+        fa = [v for k, v in smooth.items() if k == a or k.startswith(a + "@")]
+        fb = [v for k, v in smooth.items() if k == b or k.startswith(b + "@")]
+        return len(fa) == len(fb) and all(np.array_equal(x, y) for x, y in zip(fa, fb, strict=True))
 
     def passthrough_rule(self, visit: Visit, *invals: Any) -> Any:
         """Run a planned pass-through equation on int8 codes (quantizing its input if needed)."""
@@ -206,7 +245,7 @@ class Engine:
             if visit.primitive in CHAIN and len(invals) == 1 and isinstance(ref, WeightRef):
                 value = chain_value(ref.value, visit.primitive, visit.params, visit.bind)
                 return ref.then(visit.primitive, visit.params, value)
-            return visit.bind(*(to_float(v) for v in invals))
+            return visit.bind(*(self.coerce(v) for v in invals))
         if invals and all(is_concrete(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
@@ -242,7 +281,7 @@ class Engine:
         if not any(stacked) and not any(isinstance(v, WeightRef) for v in consts):
             return visit.bind(*invals)
         self.inlined.add((*visit.path, C.SCAN_BODY))  # its layers are quantized, not left in a loop
-        init: list[Any] = [_plain(v) for v in invals[n_consts : n_consts + n_carry]]
+        init: list[Any] = [self.plain(v) for v in invals[n_consts : n_consts + n_carry]]
         init_dtypes = [jnp.asarray(v).dtype for v in init]
         caches: list[int] = []
         if self.kv_on:  # (QConfig.kv_cache; calibration observes the float cache)
@@ -254,7 +293,7 @@ class Engine:
                 init[c] = (kv.codes, kv.scale)
         leaf_xs = [v.value if st else None for v, st in zip(xs, stacked, strict=True)]
         plain_xs = [
-            None if st else _kv_arrays(v) if isinstance(v, KVCache) else _plain(v)
+            None if st else _kv_arrays(v) if isinstance(v, KVCache) else self.plain(v)
             for v, st in zip(xs, stacked, strict=True)
         ]
         kv_dtypes = {i: v.dtype for i, v in enumerate(xs) if isinstance(v, KVCache)}
@@ -277,6 +316,12 @@ class Engine:
                 for k in _stacked_keys(self.radii, length)
             }
         )
+        per_iter.update(
+            {
+                ("smooth", k): np.stack([self.state.smooth[f"{k}@{i}"] for i in range(length)])
+                for k in _stacked_keys(self.state.smooth, length)
+            }
+        )
 
         out_kv: dict[int, Any] = {}  # body outputs that are int8 KV caches: their dtypes
 
@@ -285,15 +330,15 @@ class Engine:
             carry = list(carry)
             for c in caches:
                 carry[c] = KVCache(carry[c][0], carry[c][1], init_dtypes[c])
-            saved = (self.act_inputs, self.radii, self.sink)
-            self.act_inputs, self.radii, self.sink = dict(self.act_inputs), dict(self.radii), {}
+            saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink)
+            self.act_inputs, self.radii = dict(self.act_inputs), dict(self.radii)
+            self.smooth_inputs, self.sink = dict(self.smooth_inputs), {}
             self.stacks += 1
             try:
                 for (kind, k), v in x_iter.items():
-                    if kind == "act":
-                        self.act_inputs[k] = v
-                    else:
-                        self.radii[k] = v
+                    {"act": self.act_inputs, "radius": self.radii, "smooth": self.smooth_inputs}[
+                        kind
+                    ][k] = v
                 xs_in: list[Any] = []
                 for i, (v, st) in enumerate(zip(x_plain, stacked, strict=True)):
                     if i in kv_dtypes:  # one layer's slice of an int8 KV cache
@@ -315,14 +360,14 @@ class Engine:
                 outs = visit.eval_body(C.SCAN_BODY, *consts, *carry, *xs_in)
                 sink = self.sink
             finally:
-                self.act_inputs, self.radii, self.sink = saved
+                self.act_inputs, self.radii, self.smooth_inputs, self.sink = saved
                 self.stacks -= 1
             for c in caches:
-                kv = outs[c] if isinstance(outs[c], KVCache) else KVCache.of(_plain(outs[c]))
+                kv = outs[c] if isinstance(outs[c], KVCache) else KVCache.of(self.plain(outs[c]))
                 outs[c] = (kv.codes, kv.scale)
             out_kv.update({i: v.dtype for i, v in enumerate(outs) if isinstance(v, KVCache)})
             outs = [
-                v if i in caches else _kv_arrays(v) if isinstance(v, KVCache) else _plain(v)
+                v if i in caches else _kv_arrays(v) if isinstance(v, KVCache) else self.plain(v)
                 for i, v in enumerate(outs)
             ]
             return outs[:n_carry], (outs[n_carry:], sink)
@@ -339,7 +384,7 @@ class Engine:
         ]
         for k, v in sink.items():  # one entry per iteration (a layer's, or a loop constant's)
             for i in range(length):
-                self.sink[f"{k}@{i}"] = jax.tree.map(lambda a, i=i: a[i], v)
+                self.sink[iteration_key(k, i)] = jax.tree.map(lambda a, i=i: a[i], v)
         return [*carry, *ys]
 
     def cache_write_rule(self, visit: Visit, *invals: Any) -> Any:
@@ -347,7 +392,7 @@ class Engine:
         cache, new, *starts = invals
         if isinstance(cache, KVCache):
             return cache.update(to_float(new), [to_float(s) for s in starts])
-        return visit.bind(*(_coerce(v) for v in invals))
+        return visit.bind(*(self.coerce(v) for v in invals))
 
     def site_rule(self, visit: Visit, *invals: Any) -> Any:
         config = self.state.config
@@ -360,7 +405,7 @@ class Engine:
 
         def bind_float() -> Any:  # leave the equation as it is (dequantizing any int8 operand)
             return visit.bind(
-                *(v.dequantize() if isinstance(v, QTensor) else to_float(v) for v in raw)
+                *(v.dequantize() if isinstance(v, QTensor) else self.coerce(v) for v in raw)
             )
 
         if weights is None:
@@ -395,7 +440,7 @@ class Engine:
                 self.skipped[name] = plan
                 return bind_float()
             self.site_leaves[name] = raw[wi].leaf
-        smooth = self.state.smooth.get(name)
+        smooth = self.smoothing(name)
         if smooth is not None:
             a_axis = gptq_input_axis(visit, site)
             assert a_axis is not None  # calibrate measures absmax only where it applies
@@ -409,9 +454,8 @@ class Engine:
                 raw[wi] = (w * smooth.reshape(shape(w.ndim, k_axis))).astype(w.dtype)
             elif not isinstance(w.value, QView):  # (a QArray holds the codes of s W already)
                 v = w.value
-                raw[wi] = WeightRef(
-                    w.leaf, v * smooth.reshape(shape(v.ndim, k_axis)).astype(v.dtype)
-                )
+                factor = smooth.reshape(shape(v.ndim, k_axis)).astype(v.dtype)
+                raw[wi] = dataclasses.replace(w, value=v * factor)
         if isinstance(raw[wi], WeightRef):
             return self.param_site(visit, site, raw)
         qw = self.weights.get(name)
@@ -471,8 +515,7 @@ class Engine:
             plan.group_axis,
             plan.layers,
         ) and len({first.sum_axes, plan.sum_axes} - {None}) <= 1
-        smoothed = site.name in self.state.smooth or first.site in self.state.smooth
-        if not same or smoothed:
+        if not same or not self._same_smoothing(site.name, first.site):
             return (
                 f"param {plan.path} is quantized for {first.site!r} with another scheme or "
                 "layout; a Rule giving both layers one scheme quantizes it for both"
@@ -540,7 +583,7 @@ def lower(
                 specs,
                 lambda flat: engine.take_inputs(source_inputs(state, in_tree, flat, quantized)),
                 scope="quantize",
-                coerce=_coerce,
+                coerce=engine.coerce,
             )
             out = source.with_jaxpr(closed, in_tree=in_tree, in_paths=paths)
     except RewriteError as e:
@@ -633,17 +676,6 @@ def _read_caches(invals: tuple[Any, ...]) -> tuple[Any, ...]:
 def _kv_arrays(kv: KVCache) -> dict[str, Any]:
     """An int8 KV cache as the arrays a loop carries or slices."""
     return {"codes": kv.codes, "scale": kv.scale}
-
-
-def _plain(v: Any) -> Any:
-    """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""
-    return v.dequantize() if isinstance(v, QTensor) else _coerce(v)
-
-
-def _coerce(v: Any) -> Any:
-    """What an equation without a rule receives: a weight's float value, an int8 KV cache
-    read."""
-    return v.dequantize() if isinstance(v, KVCache) else to_float(v)
 
 
 def _stacked_keys(table: Mapping[str, Any], length: int) -> list[str]:

@@ -609,10 +609,11 @@ def realize_program(program: Program, config: QConfig | None = None) -> Program:
             "realize: config differs from the one the program was annotated with; annotate "
             "(and calibrate) again with the new config"
         )
-    if state.config.weight_calibration == "gptq" and state.calibration.get("weights") != "gptq":
+    method = state.config.weight_calibration
+    if method in ("gptq", "awq") and state.calibration.get("weights") != method:
         raise QuantizeError(
-            "realize: weight_calibration='gptq' chooses weight codes from calibration data; run "
-            "jaxq.quantize.calibrate(data) before realize"
+            f"realize: weight_calibration={method!r} chooses weight codes from calibration data; "
+            "run jaxq.quantize.calibrate(data) before realize"
         )
     state = state.replace(mode="realize", source=float_source(program, state, "realize"))
     out, engine = lower(state, realize_handler(state), mode="realize", integer_chains=True)

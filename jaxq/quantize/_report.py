@@ -15,7 +15,7 @@ import numpy as np
 from jaxq._program import Program
 from jaxq.quantize._annotate import unmatched_rules
 from jaxq.quantize._qarray import QArray, is_qarray
-from jaxq.quantize._state import QuantizeError, get_state
+from jaxq.quantize._state import QState, QuantizeError, get_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +357,7 @@ def make_report(
                 status,
                 site.weights.short()
                 + (f" {qw.method}" if qw and qw.method != "minmax" else "")
-                + (" smoothed" if e.name in state.act_absmax else ""),
+                + (_smoothed(state, e.name)),
                 acts,
                 wscale,
                 a_scale,
@@ -377,3 +377,10 @@ def make_report(
         calibration=dict(state.calibration),
         param_bytes=param_bytes(program, qparams),
     )
+
+
+def _smoothed(state: QState, name: str) -> str:
+    """`` smoothed`` (SmoothQuant) or `` awq`` where a layer's input channels are scaled."""
+    if name not in state.smooth and f"{name}@0" not in state.smooth:
+        return ""
+    return " awq" if state.config.weight_calibration == "awq" else " smoothed"

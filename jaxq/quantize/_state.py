@@ -146,6 +146,9 @@ class QState:
     site_leaves: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """The param leaf of every site whose weight is one (several sites may share a leaf: a
     tied embedding table and output projection)."""
+    float_leaves: frozenset[int] = frozenset()
+    """Param leaves that some equation reads as floats besides their layers (an embedding
+    lookup left in float): their codes must hold the weight itself, never ``s W``."""
     grams: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     """GPTQ's ``X^T X`` per layer (params style: the codes are chosen by ``quantize_params``)."""
     output: Any = None
