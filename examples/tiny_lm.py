@@ -13,8 +13,9 @@ generation), calibrated on training windows:
 
 - W8: int8 weights per output channel (rounded to nearest), float activations;
 - W8A8: int8 weights and static int8 activations (per tensor, calibrated);
-- W4 GPTQ / W4 AWQ: int4 weights per group of 32 input elements, codes chosen by GPTQ, or scales
-  chosen by AWQ (activation-aware), embeddings int8;
+- W4 RTN / GPTQ / AWQ: int4 weights per output channel, rounded to nearest, codes chosen by GPTQ,
+  or input channels scaled by AWQ first; the embedding table (shared with the output projection)
+  and the position table int8;
 - + int8 KV cache: W8 with the decode loop's cache stored int8 (one scale per position and head);
 - + int8 embeddings: the token and position tables int8 per row too (the whole file int8).
 
@@ -24,7 +25,9 @@ scored, so the cache's precision counts. Timing: every variant jitted, timed rou
 same inputs (``jaxq.compare_timing``), ratios paired per round.
 
 Set up: pip install -e '.[examples]' flax
-Run:    python examples/tiny_lm.py            (about 6 minutes on 2 cores; --steps to change)
+Run:    python examples/tiny_lm.py --params tiny_lm.msgpack
+        (about 12 minutes on 2 cores, 6 of them training; the params file is written after
+        training and read by later runs)
 """
 
 from __future__ import annotations
@@ -208,6 +211,21 @@ def sample_windows(text: np.ndarray, length: int, batch: int, rng: Any) -> np.nd
     return np.stack([text[s : s + length] for s in starts]).astype(np.int32)
 
 
+def line_prompts(text: np.ndarray, length: int, n: int) -> list[np.ndarray]:
+    """``n`` prompts of ``length`` bytes of prose that end early in a line (the text is wrapped
+    at about 70 columns, so a prompt ending late in one is continued by a line break)."""
+    raw, found, start = text.tobytes(), [], 0
+    while len(found) < n:
+        start = raw.find(b". ", start) + 2
+        if start < 2 or start + length > len(raw):
+            break
+        chunk = raw[start - length // 2 : start + length // 2]
+        if chunk.count(b"\n") == 1 and chunk[-1:].isalpha() and b"  " not in chunk.strip():
+            found.append(np.frombuffer(chunk, np.uint8).astype(np.int32))
+            start += length
+    return found
+
+
 def tiled_windows(text: np.ndarray, length: int) -> np.ndarray:
     """Every non-overlapping window of ``length`` tokens."""
     n = len(text) // length
@@ -314,7 +332,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fs = {}
             for k in ("score", "prefill", "generate"):
                 data = [(w,) if k == "score" else (w[:, :prompt_len],) for w in calib]
-                qf = jaxq.quantize(fns[k], params, calibration=data, config=config, progress=False)
+                # (a prefill writes the cache but never reads it back: no cache to quantize)
+                cfg_k = dataclasses.replace(config, kv_cache=config.kv_cache and k != "prefill")
+                qf = jaxq.quantize(fns[k], params, calibration=data, config=cfg_k, progress=False)
                 fs[k] = (jax.jit(qf.apply), qf.params)
         f, p = fs["score"]
         ppl = perplexity(f, p, windows, prompt_len, 64)
@@ -323,54 +343,66 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {name:26s} perplexity {ppl:.4f}  ({results[name]['seconds']:.0f} s)", flush=True)
 
     for b, prompt in prompts.items():
-        for kind in ("prefill", "generate"):
-            table = jaxq.compare_timing(
-                {name: functools.partial(_call, runs[name][kind]) for name in runs},
-                prompt,
-                rounds=args.rounds,
+        # one round-robin over every (variant, prefill / generation): each round's decoding time
+        # is its generation minus its prefill, and ratios are paired per round
+        table = jaxq.compare_timing(
+            {
+                f"{name} / {kind}": functools.partial(_call, runs[name][kind])
+                for name in runs
+                for kind in ("prefill", "generate")
+            },
+            prompt,
+            rounds=args.rounds,
+        )
+        per_round = {
+            name: {k: np.asarray(table[f"{name} / {k}"].times) for k in ("prefill", "generate")}
+            for name in runs
+        }
+        base = per_round["float"]
+        for name, t in per_round.items():
+            r = results[name]
+            decode = t["generate"] - t["prefill"]
+            r[f"prefill_tok_s_b{b}"] = b * prompt_len / float(np.median(t["prefill"]))
+            r[f"prefill_speedup_b{b}"] = float(np.median(base["prefill"] / t["prefill"]))
+            r[f"decode_tok_s_b{b}"] = b * new_tokens / float(np.median(decode))
+            r[f"decode_speedup_b{b}"] = float(
+                np.median((base["generate"] - base["prefill"]) / decode)
             )
-            for name in runs:
-                results[name][f"{kind}_ms_b{b}"] = table[name].ms
-                results[name][f"{kind}_speedup_b{b}"] = table[name].speedup
 
-    base = results["float"]
     head = f"{'variant':26s} {'ppl':>7s} {'change':>8s} {'bytes':>7s}  " + "  ".join(
-        f"{k:>11s}" for k in ("prefill b1", "prefill b8", "decode b1", "decode b8")
+        f"{k:>13s}" for k in ("prefill b1", "prefill b8", "decode b1", "decode b8")
     )
     print(
         f"\nheld-out perplexity (first {prompt_len} bytes of each {cfg.context}-byte window "
-        f"prefilled, the rest decoded through the KV cache); tokens/s medians of {args.rounds} "
-        "interleaved rounds, (x) = paired speed-up vs float"
+        f"prefilled, the rest decoded through the KV cache); tokens/s: medians of {args.rounds} "
+        "interleaved rounds, (x) = speed-up vs float paired per round"
     )
     print(head)
     print("-" * len(head))
     for name, r in results.items():
-        cells = []
-        for b in (1, 8):
-            r[f"prefill_tok_s_b{b}"] = b * prompt_len / r[f"prefill_ms_b{b}"] * 1e3
-            cells.append(f"{r[f'prefill_tok_s_b{b}']:6.0f} ({r[f'prefill_speedup_b{b}']:.2f})")
-        for b in (1, 8):
-            decode_ms = r[f"generate_ms_b{b}"] - r[f"prefill_ms_b{b}"]
-            r[f"decode_tok_s_b{b}"] = b * new_tokens / decode_ms * 1e3
-            ratio = (base[f"generate_ms_b{b}"] - base[f"prefill_ms_b{b}"]) / decode_ms
-            cells.append(f"{r[f'decode_tok_s_b{b}']:6.0f} ({ratio:.2f})")
-        r["change"] = r["ppl"] / base["ppl"] - 1
+        r["change"] = r["ppl"] / results["float"]["ppl"] - 1
         r["bytes_share"] = r["bytes"] / float_bytes
+        cells = [
+            f"{r[f'{k}_tok_s_b{b}']:6.0f} ({r[f'{k}_speedup_b{b}']:.2f}x)"
+            for k in ("prefill", "decode")
+            for b in (1, 8)
+        ]
         print(
             f"{name:26s} {r['ppl']:7.4f} {100 * r['change']:+7.2f}% {100 * r['bytes_share']:6.1f}%  "
-            + "  ".join(f"{c:>11s}" for c in cells)
+            + "  ".join(f"{c:>13s}" for c in cells)
         )
     print(
         f"(float params: {float_bytes / 1e6:.2f} MB; decode tokens/s from the generation of "
         f"{new_tokens} tokens minus the prefill)"
     )
 
-    prompt = windows[8:9, :prompt_len]
-    print(f"\ngreedy continuations of {bytes(prompt[0].astype(np.uint8))!r}:")
-    for name in runs:
-        f, p = runs[name]["generate"]
-        text = bytes(np.asarray(f(p, prompt))[0].astype(np.uint8)).decode("utf-8", "replace")
-        print(f"  {name:26s} {text!r}")
+    print("\ngreedy continuations (held-out prompts):")
+    for prompt in line_prompts(held_text, prompt_len, 2):
+        print(f"  prompt {bytes(prompt.astype(np.uint8))!r}")
+        for name in runs:
+            f, p = runs[name]["generate"]
+            out = np.asarray(f(p, prompt[None]))[0].astype(np.uint8)
+            print(f"    {name:26s} {bytes(out).decode('utf-8', 'replace')!r}")
     return results
 
 

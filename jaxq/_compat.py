@@ -174,6 +174,20 @@ SCAN_BODY = "jaxpr"
 """The param of ``scan`` that holds its body (the label of the body in equation paths)."""
 
 
+WHILE_COND, WHILE_BODY = "cond_jaxpr", "body_jaxpr"
+"""The params of ``while`` that hold its condition and body (their labels in equation paths)."""
+
+
+def while_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(condition constants, body constants)`` among a while's operands (the carries follow)."""
+    return params["cond_nconsts"], params["body_nconsts"]
+
+
+def cond_branches(params: dict[str, Any]) -> list[str]:
+    """The path labels of a cond's branches (``branches[0]`` ...), for :meth:`Visit.eval_body`."""
+    return [f"branches[{i}]" for i in range(len(params["branches"]))]
+
+
 def scan_loop(params: dict[str, Any]) -> dict[str, Any]:
     """``lax.scan``'s loop arguments of a scan equation: ``length``, ``reverse``, ``unroll``."""
     return {k: params[k] for k in ("length", "reverse", "unroll")}

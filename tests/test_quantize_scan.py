@@ -13,6 +13,7 @@ from hypothesis import given, settings
 
 from jaxq import quantize as Q
 from jaxq.quantize import QArray, QConfig, QuantizeError, Scheme
+from jaxq.quantize._qarray import is_qarray
 from jaxq.quantize._report import sqnr_db
 from jaxq.quantize._state import get_state
 
@@ -393,6 +394,51 @@ def test_a_tied_table_read_as_floats_is_not_smoothed():
         qf = Q(lm, params, calibration=cal, config=config, progress=False)
         assert not get_state(qf.program, "test").smooth
         assert sqnr_db(ref, np.asarray(qf(ids))) > 25
+
+
+def test_while_loops_and_branches_that_read_params_are_quantized():
+    """A ``fori_loop`` with a traced trip count (a while loop) and a ``cond``: their layers get
+    int8 weights and static activation scales pooled over every iteration / the branches taken
+    (a loop that ran no iteration, a branch never taken add nothing); realize agrees with
+    simulate."""
+    rng = np.random.default_rng(11)
+    params = {k: (rng.normal(size=(D, D)) / 3).astype(np.float32) for k in ("w", "a", "b")}
+
+    def f(params, x, n):
+        h = jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ params["w"]) + h, x)
+        return jax.lax.cond(
+            n > 2, lambda h: h @ params["a"], lambda h: jax.nn.relu(h @ params["b"]), h
+        )
+
+    cal = [(rng.normal(size=(4, D)).astype(np.float32), np.int32(k)) for k in (0, 3, 4)]
+    x, n = cal[1]
+    qf = Q(f, params, calibration=cal, progress=False)
+    sim = Q(f, params, calibration=cal, mode="simulate", progress=False)
+    rows = {r.name: r for r in qf.report().layers}
+    for name in ("while/body/dot_general", "cond/branch0/dot_general", "cond/branch1/dot_general"):
+        assert rows[name].status == "quantized" and "static" in rows[name].activations, name
+    assert all(isinstance(v, QArray) for v in jax.tree.leaves(qf.params, is_leaf=is_qarray))
+    int_dots = [
+        e
+        for e in qf.specialize(x, n).equations()
+        if e.primitive == "dot_general" and e.params["preferred_element_type"] == jnp.int32
+    ]
+    assert len(int_dots) == 3
+    # branch 1 (n > 2) saw n = 3 and 4 only; the loop's input pooled over 7 iterations
+    state = get_state(qf.program, "test")
+    h, hs = cal[1][0], []
+    for k in (3, 4):
+        h = cal[2 if k == 4 else 1][0]
+        for _ in range(k):
+            hs.append(h)
+            h = np.tanh(h @ params["w"]) + h
+    lo, hi = min(float(v.min()) for v in hs), max(float(v.max()) for v in hs)
+    loop = state.act["while/body/dot_general"]
+    assert np.isclose(loop.scale, (hi - lo) / 255, rtol=1e-3)
+    for k in ((x, n), cal[2], cal[0]):
+        y = np.asarray(jax.jit(qf.apply)(qf.params, *k))
+        np.testing.assert_allclose(y, np.asarray(sim(*k)), rtol=1e-5, atol=1e-5)
+        assert sqnr_db(np.asarray(f(params, *k)), y) > 30
 
 
 # ---- int8 KV cache ------------------------------------------------------------------------------

@@ -770,7 +770,8 @@ def quantize(
     if in_loops:
         warnings.warn(
             f"jaxq.quantize: {len(in_loops)} layer(s) inside scan / while / cond bodies stay float "
-            f"(only layer stacks, scans over stacked params, are quantized): {in_loops[:5]}"
+            f"(layers in loops and branches are quantized where their weights are params, "
+            f"jaxq.quantize(f, params, ...)): {in_loops[:5]}"
             + (" ..." if len(in_loops) > 5 else "")
             + "; qf.report() lists them",
             UserWarning,

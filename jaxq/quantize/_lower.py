@@ -16,6 +16,7 @@ here. Calls to ``jit`` are inlined so that weights flow into their bodies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,8 +92,8 @@ of a layer stack), or None where there are none (dynamic scales, before calibrat
 
 
 LOOP_REASON = (
-    "inside a scan / while / cond body that no stacked param enters: stays float (a layer stack "
-    "is quantized where its weights are params passed as the scan's xs)"
+    "inside a scan / while / cond body that no param enters: stays float (layers in loops and "
+    "branches are quantized where their weights are params: jaxq.quantize(f, params, ...))"
 )
 ARRAY_STATS = (":gram", ":absmax", ":wabsmax", ":weight")
 """Suffixes of the per-layer arrays calibration collects (GPTQ / AWQ / SmoothQuant statistics)
@@ -183,6 +184,8 @@ class Engine:
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
         table["scan"] = self.scan_rule
+        table["while"] = self.while_rule
+        table["cond"] = self.cond_rule
         if self.kv_on:
             table["dynamic_update_slice"] = self.cache_write_rule
         if self.chains:
@@ -386,6 +389,74 @@ class Engine:
             for i in range(length):
                 self.sink[iteration_key(k, i)] = jax.tree.map(lambda a, i=i: a[i], v)
         return [*carry, *ys]
+
+    def while_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A while loop whose body reads params (``fori_loop`` with traced bounds, a decode
+        loop until a stop token) runs its body through these rules: each weight gets one scale,
+        its activations calibrated over every iteration (statistics pooled in the loop's
+        carry: the trip count is not known)."""
+        cond_n, body_n = C.while_counts(visit.params)
+        cond_consts = [self.plain(v) for v in invals[:cond_n]]
+        consts = invals[cond_n : cond_n + body_n]
+        if not any(isinstance(v, WeightRef) for v in consts):
+            return visit.bind(*invals)
+        self.inlined.add((*visit.path, C.WHILE_BODY))
+        init = [self.plain(v) for v in invals[cond_n + body_n :]]
+        body = lambda carry: self._run_body(visit, C.WHILE_BODY, [*consts, *carry])
+
+        def cond_fun(state: Any) -> Any:
+            return visit.eval_body(C.WHILE_COND, *cond_consts, *state[0])[0]
+
+        with visit.own_scope():
+            if self.mode != "observe":
+                return lax.while_loop(lambda c: cond_fun((c,)), lambda c: body(c)[0], init)
+            acc = _neutral_stats(jax.eval_shape(lambda c: body(c)[1], init))
+
+            def body_fun(state: Any) -> Any:
+                outs, sink = body(state[0])
+                return outs, _pool_stats(state[1], sink)
+
+            outs, sink = lax.while_loop(cond_fun, body_fun, (init, acc))
+        self.sink.update(sink)
+        return outs
+
+    def cond_rule(self, visit: Visit, index: Any, *ops: Any) -> Any:
+        """A cond (``lax.cond`` / ``lax.switch``) whose branches read params runs each branch
+        through these rules; a layer's statistics count only where its branch was taken."""
+        if not any(isinstance(v, WeightRef) for v in ops):
+            return visit.bind(index, *ops)
+        labels = C.cond_branches(visit.params)
+        for label in labels:
+            self.inlined.add((*visit.path, label))
+        branches = [functools.partial(self._run_body, visit, label, list(ops)) for label in labels]
+        with visit.own_scope():
+            if self.mode != "observe":
+                return lax.switch(_plain_index(index), [lambda b=b: b()[0] for b in branches])
+            shapes = [jax.eval_shape(lambda b=b: b()[1]) for b in branches]
+            union = _neutral_stats({k: v for s in shapes for k, v in s.items()})
+
+            def taken(b: Callable[[], Any]) -> Any:
+                outs, sink = b()
+                return outs, {**union, **sink}
+
+            outs, sink = lax.switch(
+                _plain_index(index), [functools.partial(taken, b) for b in branches]
+            )
+        self.sink.update(sink)
+        return outs
+
+    def _run_body(self, visit: Visit, key: str, invals: list[Any]) -> tuple[list[Any], Any]:
+        """A nested body evaluated with the rules: its outputs (plain arrays) and what observing
+        handlers recorded in it."""
+        saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink)
+        self.act_inputs, self.radii = dict(self.act_inputs), dict(self.radii)
+        self.smooth_inputs, self.sink = dict(self.smooth_inputs), {}
+        try:
+            outs = visit.eval_body(key, *invals)
+            sink = self.sink
+        finally:
+            self.act_inputs, self.radii, self.smooth_inputs, self.sink = saved
+        return [self.plain(v) for v in outs], sink
 
     def cache_write_rule(self, visit: Visit, *invals: Any) -> Any:
         """A write into an int8 KV cache quantizes the written vectors only."""
@@ -676,6 +747,48 @@ def _read_caches(invals: tuple[Any, ...]) -> tuple[Any, ...]:
 def _kv_arrays(kv: KVCache) -> dict[str, Any]:
     """An int8 KV cache as the arrays a loop carries or slices."""
     return {"codes": kv.codes, "scale": kv.scale}
+
+
+def _plain_index(index: Any) -> Any:
+    """A cond's branch index as lax.switch takes it."""
+    return jnp.asarray(index).astype(jnp.int32)
+
+
+def _neutral_stats(shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """Statistics that pooling leaves unchanged, shaped like ``shapes``: an empty range, no
+    counts, zero second moments (a loop that runs no iteration, a branch not taken)."""
+    out: dict[str, Any] = {}
+    for k, v in shapes.items():
+        if isinstance(v, Mapping):
+            fill = {"min": jnp.inf, "max": -jnp.inf}
+            out[k] = {s: jnp.full(a.shape, fill.get(s, 0), a.dtype) for s, a in v.items()}
+        else:
+            out[k] = jnp.zeros(v.shape, v.dtype)
+    return out
+
+
+def _pool_stats(acc: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """``acc`` and one more iteration's statistics ``new`` pooled: ranges widened, counts and
+    second moments added, per-channel ranges maxed, a weight kept."""
+    out: dict[str, Any] = {}
+    for k, a in acc.items():
+        b = new[k]
+        if isinstance(a, Mapping):
+            out[k] = {
+                s: jnp.minimum(a[s], b[s])
+                if s == "min"
+                else jnp.maximum(a[s], b[s])
+                if s == "max"
+                else a[s] + b[s]
+                for s in a
+            }
+        elif k.endswith(":gram"):
+            out[k] = a + b
+        elif k.endswith(":weight"):
+            out[k] = b
+        else:
+            out[k] = jnp.maximum(a, b)
+    return out
 
 
 def _stacked_keys(table: Mapping[str, Any], length: int) -> list[str]:
