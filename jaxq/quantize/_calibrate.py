@@ -124,11 +124,18 @@ def _conv_gram(visit: Any, site: Site, a: jax.Array) -> jax.Array | None:
 
 
 def _observer_fn(
-    state: QState, source: Program, histogram: bool, gptq: bool, absmax: bool, weights: bool
+    state: QState,
+    source: Program,
+    histogram: bool,
+    gptq: bool,
+    absmax: bool,
+    awq: bool,
+    weights: bool,
 ) -> Callable[..., Any]:
     """A jitted ``(radii, *flat_args) -> {key: stats}`` over the float program. With ``gptq``,
-    also each eligible layer's ``X^T X`` under ``name + ":gram"``; with ``weights`` (AWQ's first
-    pass), only each matmul's ``X^T X`` and its weight as the layer sees it (``name + ":weight"``);
+    also each eligible layer's ``X^T X`` under ``name + ":gram"``; with ``awq`` (AWQ's first
+    pass), only each matmul's ``X^T X``, and with ``weights`` its weight as the layer sees it
+    (``name + ":weight"``);
     with ``absmax`` (SmoothQuant's), only each smoothable layer's per-input-channel ``max |X|``
     under ``name + ":absmax"``. Inside a layer stack every key is the iteration's (``name@i``,
     ``name@i:gram``)."""
@@ -149,10 +156,11 @@ def _observer_fn(
                         invals[site.weight_index], k_axis
                     )
                 return y
-            if weights:  # (AWQ's first pass: nothing else)
+            if awq:  # (AWQ's first pass: nothing else)
                 if axis is not None:
                     stats[site.name + ":gram"] = _gram(a, axis)
-                    stats[site.name + ":weight"] = invals[site.weight_index]
+                    if weights:
+                        stats[site.name + ":weight"] = invals[site.weight_index]
                 return y
             if gptq:
                 gram = _gram(a, axis) if axis is not None else _conv_gram(visit, site, a)
@@ -224,7 +232,8 @@ def _layer_arrays(
         name, kind = k.rsplit(":", 1)
         while name not in layers and "@" in name:
             name = name.rpartition("@")[0]
-        arrays.setdefault(f"{name}:{kind}", []).append(np.asarray(v, np.float64))
+        keep = np.asarray(v) if kind == "weight" else np.asarray(v, np.float64)
+        arrays.setdefault(f"{name}:{kind}", []).append(keep)
     return rest, {k: _accumulate(k, vs) for k, vs in arrays.items()}
 
 
@@ -255,7 +264,7 @@ def _observe(
     absmax: bool,
     progress: bool,
     retrace: Callable[..., Program] | None,
-    weights: bool = False,
+    awq: bool = False,
 ) -> tuple[dict[str, Observer], dict[str, np.ndarray], int]:
     """One pass over the calibration data: the observers of ``keys``, and the accumulated
     ``:gram`` (sum) / ``:absmax`` (max) / ``:weight`` arrays by layer key (``name``, or
@@ -269,7 +278,9 @@ def _observe(
     for n, batch in enumerate(progress_bar(data, progress, desc), 1):
         args = batch if isinstance(batch, tuple) else (batch,)
         leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves))
+        # (AWQ reads the weights once, from the first batch: one copy, in their own dtype)
+        weights = awq and n == 1
+        key = (tree, tuple((np.shape(x), jax.dtypes.result_type(x)) for x in leaves), weights)
         if key not in fns:
             try:
                 source = state.source
@@ -287,10 +298,10 @@ def _observe(
                         f"calibrate: calibration batch {n - 1} cannot be passed to the function: "
                         f"{type(e2).__name__}: {e2}"
                     ) from e2
-            fns[key] = (source, _observer_fn(state, source, histogram, gptq, absmax, weights))
+            fns[key] = (source, _observer_fn(state, source, histogram, gptq, absmax, awq, weights))
         source, fn = fns[key]
         flat = source.flatten_args(args, {})
-        if not observers and not gptq and not absmax and not weights:
+        if not observers and not gptq and not absmax and not awq:
             continue
         radii = {k: np.float32(o.radius) for k, o in observers.items() if o.radius is not None}
         try:
@@ -301,7 +312,8 @@ def _observe(
         stats, new = _layer_arrays(jax.device_get(stats), layers)
         stats = _by_observer(stats, observers)
         for k, v in new.items():
-            _check_finite(k.rsplit(":", 1)[0], v, n - 1)
+            if not k.endswith(":weight"):
+                _check_finite(k.rsplit(":", 1)[0], v, n - 1)
             arrays[k] = _accumulate(k, [arrays[k], v]) if k in arrays else v
         for k, s in stats.items():
             if int(s["nonfinite"]):
@@ -421,11 +433,12 @@ def calibrate_program(
             }
         else:
             _, arrays, _ = observe(
-                state, data, keys=[], histogram=False, gptq=False, absmax=False, weights=True
+                state, data, keys=[], histogram=False, gptq=False, absmax=False, awq=True
             )
-            smooth = {
-                name: _awq_of(state, name, arrays[name + ":weight"], arrays[name + ":gram"])
-                for name in (k.removesuffix(":weight") for k in arrays if k.endswith(":weight"))
+            names = [k.removesuffix(":weight") for k in arrays if k.endswith(":weight")]
+            smooth = {  # (each weight copy dropped once its factors are chosen)
+                name: _awq_of(state, name, arrays.pop(name + ":weight"), arrays[name + ":gram"])
+                for name in names
             }
         smooth = _shared_leaves(state, smooth)
         absmax = {k: v for k, v in absmax.items() if k in smooth}
