@@ -12,7 +12,8 @@ Each variant is ``jaxq.quantize`` of the same float params and functions (scorin
 generation), calibrated on training windows:
 
 - W8: int8 weights per output channel (rounded to nearest), float activations;
-- W8A8: int8 weights and static int8 activations (per tensor, calibrated);
+- W8A8: int8 weights and static int8 activations (per tensor, calibrated); + int8 attention:
+  the attention products ``Q K^T`` and ``P V`` int8 too, with scales per row computed at run time;
 - W4 RTN / GPTQ / AWQ: int4 weights per output channel, rounded to nearest, codes chosen by GPTQ,
   or input channels scaled by AWQ first; the embedding table (shared with the output projection)
   and the position table int8;
@@ -257,6 +258,7 @@ def variants(quick: bool) -> dict[str, jaxq.QConfig | None]:
         "float": None,
         "W8": QConfig(activations=None),
         "W8A8": QConfig(),
+        "W8A8 + int8 attention": QConfig(attention=Scheme(granularity="token")),
         "W4 RTN (emb int8)": QConfig(weights=int4, activations=None, rules=tables8),
         "W4 GPTQ (emb int8)": QConfig(
             weights=int4, activations=None, weight_calibration="gptq", rules=tables8

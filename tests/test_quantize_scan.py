@@ -545,3 +545,63 @@ def test_stacks_without_calibrated_activations(config):
     assert w1.layers == 2 and w1.act_scale is None
     x = cal[0][0]
     assert sqnr_db(np.asarray(scanned(False, params, x)[0]), np.asarray(qf(x)[0])) > 25
+
+
+# ---- int8 attention (activation x activation matmuls) -------------------------------------------
+
+
+def test_attention_matmuls_run_int8_with_run_time_scales():
+    """``QConfig(attention=...)``: ``Q K^T`` and ``P V`` (no weight operand) run int8 x int8 ->
+    int32 with one scale per row of each operand, inside the decode loop too."""
+    rng = np.random.default_rng(12)
+    params = {k: (rng.normal(size=(D, D)) / 3).astype(np.float32) for k in "qkvo"}
+    cal = [(rng.normal(size=(T, B, D)).astype(np.float32),) for _ in range(4)]
+    xs = rng.normal(size=(T, B, D)).astype(np.float32)
+    ref = np.asarray(decode(params, xs))
+    plain = Q(decode, params, calibration=cal, progress=False)
+    cfg = QConfig(attention=Scheme(granularity="token"))
+    qf = Q(decode, params, calibration=cal, config=cfg, progress=False)
+    sim = Q(decode, params, calibration=cal, config=cfg, mode="simulate", progress=False)
+    dots = [e for e in qf.specialize(xs).equations() if e.primitive == "dot_general"]
+    assert [str(e.params["preferred_element_type"]) for e in dots] == ["int32"] * 6
+    rows = {r.name: r for r in qf.report().layers}
+    att = rows["scan/bd,btd->bt/dot_general"]
+    assert att.status == "quantized" and "dynamic (both operands)" in att.activations
+    y = np.asarray(jax.jit(qf.apply)(qf.params, xs))
+    np.testing.assert_allclose(y, np.asarray(sim(xs)), rtol=1e-5, atol=1e-5)
+    assert sqnr_db(ref, y) > sqnr_db(ref, np.asarray(plain(xs))) - 1.5
+
+
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+def test_an_int8_activation_product_is_the_integer_product_times_both_scales(granularity):
+    """Batched ``bhsd,bhtd->bhst``: per row, the scale is ``max|x| / 127`` over the contracted
+    axis; a row holding NaN gives NaN outputs in that row only."""
+    rng = np.random.default_rng(13)
+    a = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
+    b = (rng.normal(size=(2, 3, 5, 8)) * 10).astype(np.float32)
+
+    def f(a, b):
+        return jnp.einsum("bhsd,bhtd->bhst", a, b)
+
+    cfg = QConfig(attention=Scheme(granularity=granularity))
+    qf = Q(f, calibration=[(a, b)], config=cfg, progress=False)
+    axes = (3,) if granularity == "token" else (0, 1, 2, 3)
+    sa = np.max(np.abs(a), axis=axes, keepdims=True) / 127
+    sb = np.max(np.abs(b), axis=axes, keepdims=True) / 127
+    qa, qb = np.round(a / sa), np.round(b / sb)
+    acc = np.einsum("bhsd,bhtd->bhst", qa.astype(np.int64), qb.astype(np.int64))
+    want = acc * (sa * np.swapaxes(sb, 2, 3) if granularity == "token" else sa * sb)
+    np.testing.assert_allclose(np.asarray(qf(a, b)), want, rtol=1e-5)
+    bad = a.copy()
+    bad[1, 2, 3, 0] = np.nan
+    y = np.asarray(qf(bad, b))
+    if granularity == "token":
+        assert np.isnan(y[1, 2, 3]).all() and np.isfinite(np.delete(y.reshape(-1, 5), 23, 0)).all()
+    else:
+        assert np.isnan(y).all()
+
+
+def test_attention_scheme_validation():
+    for bad in (Scheme(symmetric=False), Scheme(granularity="channel"), Scheme(bits=16)):
+        with pytest.raises(ValueError, match="QConfig: attention must be"):
+            QConfig(attention=bad)

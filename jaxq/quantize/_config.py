@@ -254,6 +254,13 @@ class QConfig:
         codes with one float32 scale per position and head (its last axis reduced, symmetric,
         computed when written), and dequantized where it is read. A quarter of the cache's
         memory; quantize raises if no such carry is found.
+      attention: None keeps matmuls without a weight operand (attention's ``Q K^T`` and
+        ``P V``) in float; a signed symmetric Scheme runs them int8 x int8 -> int32 with both
+        operands quantized at run time: one scale per row of each operand (its contracted axes
+        reduced: per query / key position and head for ``Q K^T``, per head and channel for
+        ``V``) under ``granularity="token"``, or one per operand under ``"tensor"``. The output
+        is the int32 product times both scales. A ``Rule(skip=True)`` keeps a matching layer in
+        float.
     """
 
     weights: Scheme = Scheme(granularity="channel", narrow_range=True)
@@ -267,6 +274,7 @@ class QConfig:
     gptq_damp: float = 0.1
     smoothing: float | None = None
     kv_cache: bool = False
+    attention: Scheme | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.weights, Scheme):
@@ -294,6 +302,18 @@ class QConfig:
             raise TypeError(f"QConfig: dynamic must be a bool; got {self.dynamic!r}")
         if not isinstance(self.kv_cache, bool):
             raise TypeError(f"QConfig: kv_cache must be a bool; got {self.kv_cache!r}")
+        a = self.attention
+        if a is not None and (
+            not isinstance(a, Scheme)
+            or not (a.symmetric and a.signed)
+            or a.granularity not in ("tensor", "token")
+            or a.bits > 8
+        ):
+            raise ValueError(
+                "QConfig: attention must be None or a signed symmetric Scheme of at most 8 bits "
+                "with granularity 'token' or 'tensor' (scales computed at run time), e.g. "
+                f"Scheme(granularity='token'); got {a!r}"
+            )
         if self.weight_calibration not in WEIGHT_CALIBRATIONS:
             raise ValueError(
                 f"QConfig: weight_calibration must be one of {WEIGHT_CALIBRATIONS}; got "

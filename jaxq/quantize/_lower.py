@@ -49,6 +49,7 @@ from jaxq.quantize._chains import (
     plan_chains,
     sample_mask,
 )
+from jaxq.quantize._config import Scheme
 from jaxq.quantize._kvcache import KVCache, cache_carries
 from jaxq.quantize._params import (
     CHAIN,
@@ -79,6 +80,7 @@ from jaxq.quantize._state import (
     QWeight,
     Site,
     is_concrete,
+    shaped_aval,
 )
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -143,6 +145,7 @@ class Engine:
         self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
         self.smooth_inputs: dict[str, Any] = {}  # site -> the iteration's smoothing factors
         self.float_leaves: set[int] = set()  # param leaves some equation reads as floats
+        self.act_act: dict[str, Scheme] = {}  # activation x activation matmuls in int8
         self.sink: dict[str, Any] = {}  # an observing handler's statistics
         self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
         self.stacks = 0  # how many layer stacks (scans) the current equation is inside
@@ -390,6 +393,40 @@ class Engine:
                 self.sink[iteration_key(k, i)] = jax.tree.map(lambda a, i=i: a[i], v)
         return [*carry, *ys]
 
+    def act_act_rule(self, visit: Visit, raw: list[Any], scheme: Scheme) -> Any:
+        """A matmul of two activations (``QConfig.attention``): both operands quantized with
+        scales computed here (per row, or per operand), the product int8 x int8 -> int32 times
+        both scales (realize), or the float product of the fake-quantized operands
+        (simulate). A NaN or Inf in a row makes that row's scale, and so its outputs,
+        non-finite."""
+        self.act_act[visit.name] = scheme
+        lhs, rhs = (v.dequantize() if isinstance(v, QTensor) else self.coerce(v) for v in raw)
+        if self.mode == "observe":  # (nothing to calibrate)
+            return visit.bind(lhs, rhs)
+        (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
+        token = scheme.granularity == "token"
+        sl = _operand_scale(lhs, tuple(lc) if token else tuple(range(lhs.ndim)), scheme)
+        sr = _operand_scale(rhs, tuple(rc) if token else tuple(range(rhs.ndim)), scheme)
+        zero = np.float32(0)
+        ql, qr = codes(lhs, sl, zero, scheme), codes(rhs, sr, zero, scheme)
+        if self.mode == "simulate":
+            return visit.bind((ql * sl).astype(lhs.dtype), (qr * sr).astype(rhs.dtype))
+        acc = lax.dot_general(
+            int8_codes(ql),
+            int8_codes(qr),
+            visit.params["dimension_numbers"],
+            preferred_element_type=jnp.int32,
+        )
+        if token:
+            l_free = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
+            r_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+            sl = _to_output(sl, lc, [*lb, *l_free], trailing=len(r_free))
+            sr = _to_output(sr, rc, [*rb, *r_free], inner=(len(lb), len(l_free)))
+        else:
+            sl, sr = sl.reshape(()), sr.reshape(())
+        out_dtype = shaped_aval(visit.eqn.outvars[0]).dtype
+        return (acc.astype(jnp.float32) * sl * sr).astype(out_dtype)
+
     def while_rule(self, visit: Visit, *invals: Any) -> Any:
         """A while loop whose body reads params (``fori_loop`` with traced bounds, a decode
         loop until a stop token) runs its body through these rules: each weight gets one scale,
@@ -495,6 +532,8 @@ class Engine:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
                 self.skipped[name] = LOOP_REASON
+            elif visit.primitive == "dot_general" and config.attention is not None:
+                return self.act_act_rule(visit, raw, config.attention)
             else:
                 self.skipped[name] = NO_WEIGHT_REASON
             return bind_float()
@@ -747,6 +786,32 @@ def _read_caches(invals: tuple[Any, ...]) -> tuple[Any, ...]:
 def _kv_arrays(kv: KVCache) -> dict[str, Any]:
     """An int8 KV cache as the arrays a loop carries or slices."""
     return {"codes": kv.codes, "scale": kv.scale}
+
+
+def _operand_scale(x: Any, axes: tuple[int, ...], scheme: Scheme) -> Any:
+    """A symmetric scale of ``x`` reduced over ``axes`` (kept as size-1 dims): ``max|x| /
+    qmax``, 1 where the values are all 0, non-finite where they are."""
+    m = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
+    return jnp.where(m == 0, jnp.float32(1), m / jnp.float32(scheme.qrange[1]))
+
+
+def _to_output(
+    s: Any,
+    contracted: Any,
+    order: list[int],
+    trailing: int = 0,
+    inner: tuple[int, int] | None = None,
+) -> Any:
+    """An operand's per-row scale laid out against a dot_general's output (batch dims, then the
+    left operand's free dims, then the right's): its contracted dims dropped, the others put
+    in ``order``, and size-1 dims for the other operand's free dims (``trailing`` after them,
+    or ``inner = (batch, count)`` between the batch dims and them)."""
+    kept = [d for d in range(s.ndim) if d not in contracted]
+    s = jnp.transpose(s.reshape([s.shape[d] for d in kept]), [kept.index(d) for d in order])
+    shape = list(s.shape)
+    if inner is not None:
+        shape[inner[0] : inner[0]] = [1] * inner[1]
+    return s.reshape(shape + [1] * trailing)
 
 
 def _plain_index(index: Any) -> Any:

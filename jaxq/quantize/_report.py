@@ -318,6 +318,18 @@ def make_report(
     rows = []
     for e in state.source.equations():
         site = state.sites.get(e.name)
+        if e.name in state.act_act:
+            rows.append(
+                LayerReport(
+                    e.name,
+                    e.primitive,
+                    "quantized",
+                    "none (activation x activation)",
+                    f"{state.act_act[e.name].short()} dynamic (both operands)",
+                    in_loop=loops.get(e.name),
+                )
+            )
+            continue
         if site is None:
             if e.name in state.skipped:
                 why = state.skipped[e.name]

@@ -146,6 +146,8 @@ class QState:
     site_leaves: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """The param leaf of every site whose weight is one (several sites may share a leaf: a
     tied embedding table and output projection)."""
+    act_act: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Matmuls of two activations run in int8 (``QConfig.attention``): name -> scheme."""
     float_leaves: frozenset[int] = frozenset()
     """Param leaves that some equation reads as floats besides their layers (an embedding
     lookup left in float): their codes must hold the weight itself, never ``s W``."""
