@@ -441,6 +441,52 @@ def test_while_loops_and_branches_that_read_params_are_quantized():
         assert sqnr_db(np.asarray(f(params, *k)), y) > 30
 
 
+@settings(max_examples=5, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=3),  # trip counts of the batches
+    st.integers(0, 2),  # which branch of a three-way switch
+    st.booleans(),  # asymmetric activations
+    st.integers(0, 2**16),
+)
+def test_random_while_and_switch_programs_realize_like_simulate(trips, branch, asym, seed):
+    """A while loop (traced trip count) carrying two values around a three-way switch, every
+    layer's weight a param: realize agrees with simulate for any trip count and branch, and
+    only the branches the calibration took get a static scale."""
+    rng = np.random.default_rng(seed)
+    params = {k: (rng.normal(size=(D, D)) / 3).astype(np.float32) for k in ("w", "a", "b", "c")}
+
+    def f(params, x, n, k):
+        def body(c):
+            i, h, acc = c
+            h = jnp.tanh(h @ params["w"]) + h
+            return i + 1, h, acc + h.sum()
+
+        _, h, acc = jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), x, 0.0))
+        branches = [lambda h, w=params[w]: jax.nn.relu(h @ w) for w in "abc"]
+        return jax.lax.switch(k, branches, h), acc
+
+    cal = [
+        (rng.normal(size=(3, D)).astype(np.float32), np.int32(n), np.int32(branch)) for n in trips
+    ]
+    cfg = QConfig(activations=Scheme(symmetric=not asym, signed=True))
+    with pytest.warns(UserWarning, match=r"never reached .*computed at run time"):
+        qf = Q(f, params, calibration=cal, config=cfg, progress=False)
+    with pytest.warns(UserWarning, match="never reached"):
+        sim = Q(f, params, calibration=cal, config=cfg, mode="simulate", progress=False)
+    act = get_state(qf.program, "test").act
+    taken = [k for k in act if "branch" in k]
+    assert taken == [f"cond/branch{branch}/dot_general"], list(act)
+    rows = {r.name: r for r in qf.report().layers}
+    other = rows[f"cond/branch{(branch + 1) % 3}/dot_general"]
+    assert other.status == "quantized" and "dynamic" in other.activations
+    x = rng.normal(size=(3, D)).astype(np.float32)
+    for n, k in ((max(trips), branch), (0, (branch + 1) % 3)):
+        got = jax.jit(qf.apply)(qf.params, x, np.int32(n), np.int32(k))
+        want = sim(x, np.int32(n), np.int32(k))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
 # ---- int8 KV cache ------------------------------------------------------------------------------
 
 B, T = 2, 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import math
@@ -344,6 +345,28 @@ def _observe(
     return observers, arrays, n
 
 
+def _uncalibrated_to_dynamic(state: QState, keys: list[tuple[str, Site]]) -> QState:
+    """Layers the calibration data never reached (a cond branch not taken, a loop that never
+    ran) keep activation scales computed at run time, with a warning: their weights' QArrays
+    then carry no activation scale."""
+    missing = sorted({site.name for k, site in keys if k not in state.act and ":" not in k})
+    if not missing:
+        return state
+    warnings.warn(
+        f"calibrate: the calibration data never reached {len(missing)} layer(s) (a branch not "
+        f"taken, a loop that ran no iteration): {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        "; their activation scales are computed at run time. Calibrate with data that reaches "
+        "them for static scales.",
+        UserWarning,
+        stacklevel=3,
+    )
+    leaves = {
+        i: dataclasses.replace(p, act_site=None) if p.act_site in missing else p
+        for i, p in state.leaves.items()
+    }
+    return state.replace(leaves=leaves, calibration={**state.calibration, "unreached": missing})
+
+
 def _shared_leaves(state: QState, smooth: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Smoothing factors with every layer of a shared param leaf using those of the layer the
     leaf is quantized for: one set of codes holds ``s W``, so every layer reading it divides its
@@ -487,6 +510,7 @@ def calibrate_program(
         grams = {}
     out, engine = lower(state, simulate_handler(state), grams=grams)
     check_sites(state, engine, "calibrate")
+    state = _uncalibrated_to_dynamic(state, keys)
     state = state.replace(mode="simulate", weights=engine.weights, output=out.jaxpr)
     return with_state(out, state)
 

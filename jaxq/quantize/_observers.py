@@ -67,6 +67,10 @@ class Observer:
         self.radius = r
 
     def update(self, stats: dict[str, Any]) -> None:
+        """Fold in one batch's statistics; an empty one (a branch not taken, a loop that ran no
+        iteration: no value seen) does not count as a batch."""
+        if float(stats["min"]) > float(stats["max"]) and not int(stats["nonfinite"]):
+            return
         self.min = min(self.min, float(stats["min"]))
         self.max = max(self.max, float(stats["max"]))
         if self.hist is not None:

@@ -101,7 +101,8 @@ def _xp(*vs: Any) -> Any:
 
 
 def _check_static_act(state: QState, site: Site, act: Any, who: str) -> None:
-    if act is None and site.static_act(state.config.dynamic):
+    unreached = state.calibration.get("unreached", ())  # (run-time scales, as calibrate warned)
+    if act is None and site.static_act(state.config.dynamic) and site.name not in unreached:
         raise QuantizeError(
             f"{who}: layer {site.name!r} has no calibrated activation scale.\n"
             "Run jaxq.quantize.calibrate(data) before realize, or use QConfig(dynamic=True) to "
