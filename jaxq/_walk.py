@@ -74,9 +74,10 @@ class Visit(EquationView):
         return outs if self.eqn.primitive.multiple_results else outs[0]
 
     def eval_body(self, key: str, *invals: Any) -> list[Any]:
-        """Evaluate the nested jaxpr at param ``key`` (a scan's ``jaxpr``, a cond's ``branches[1]``) on ``invals`` with the
-        same rules, inside whatever trace is current: how a rule that re-binds a loop itself
-        (``lax.scan`` with a Python body) runs the loop's equations. Returns the flat outputs."""
+        """Evaluate the nested jaxpr at param ``key`` (a scan's ``jaxpr``, a cond's
+        ``branches[1]``) on ``invals`` with the same rules, inside whatever trace is current: how
+        a rule that re-binds a loop itself (``lax.scan`` with a Python body) runs the loop's
+        equations. Returns the flat outputs."""
         param, _, index = key.partition("[")
         body = self.eqn.params[param]
         body = C.as_closed(body[int(index[:-1])] if index else body)

@@ -508,13 +508,19 @@ def decode(params, xs):
     return jax.lax.scan(step, init, xs)[1]
 
 
-def test_an_int8_kv_cache_is_carried_as_codes_and_scales():
-    rng = np.random.default_rng(6)
+def decode_case(seed, batches):
+    """Params, calibration batches, an input, its float result and the default W8A8 function
+    of :func:`decode`."""
+    rng = np.random.default_rng(seed)
     params = {k: (rng.normal(size=(D, D)) / 3).astype(np.float32) for k in "qkvo"}
-    cal = [(rng.normal(size=(T, B, D)).astype(np.float32),) for _ in range(8)]
+    cal = [(rng.normal(size=(T, B, D)).astype(np.float32),) for _ in range(batches)]
     xs = rng.normal(size=(T, B, D)).astype(np.float32)
-    ref = np.asarray(decode(params, xs))
     plain = Q(decode, params, calibration=cal, progress=False)
+    return rng, params, cal, xs, np.asarray(decode(params, xs)), plain
+
+
+def test_an_int8_kv_cache_is_carried_as_codes_and_scales():
+    rng, params, cal, xs, ref, plain = decode_case(6, 8)
     cfg = QConfig(kv_cache=True)
     qf = Q(decode, params, calibration=cal, config=cfg, progress=False)
     sim = Q(decode, params, calibration=cal, config=cfg, mode="simulate", progress=False)
@@ -599,12 +605,7 @@ def test_stacks_without_calibrated_activations(config):
 def test_attention_matmuls_run_int8_with_run_time_scales():
     """``QConfig(attention=...)``: ``Q K^T`` and ``P V`` (no weight operand) run int8 x int8 ->
     int32 with one scale per row of each operand, inside the decode loop too."""
-    rng = np.random.default_rng(12)
-    params = {k: (rng.normal(size=(D, D)) / 3).astype(np.float32) for k in "qkvo"}
-    cal = [(rng.normal(size=(T, B, D)).astype(np.float32),) for _ in range(4)]
-    xs = rng.normal(size=(T, B, D)).astype(np.float32)
-    ref = np.asarray(decode(params, xs))
-    plain = Q(decode, params, calibration=cal, progress=False)
+    _, params, cal, xs, ref, plain = decode_case(12, 4)
     cfg = QConfig(attention=Scheme(granularity="token"))
     qf = Q(decode, params, calibration=cal, config=cfg, progress=False)
     sim = Q(decode, params, calibration=cal, config=cfg, mode="simulate", progress=False)

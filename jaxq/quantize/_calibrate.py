@@ -31,7 +31,7 @@ from jaxq.quantize._lower import (
     simulate_handler,
     source_inputs,
 )
-from jaxq.quantize._observers import Observer, batch_stats
+from jaxq.quantize._observers import Observer, batch_stats, pool
 from jaxq.quantize._params import to_float
 from jaxq.quantize._sites import gptq_input_axis
 from jaxq.quantize._smooth import factors
@@ -206,15 +206,8 @@ def _by_observer(stats: dict[str, Any], observers: dict[str, Observer]) -> dict[
             out[k] = v
         else:
             pooled.setdefault(base, []).append(v)
-    for k, vs in pooled.items():
-        merged = {
-            "min": np.min([v["min"] for v in vs]),
-            "max": np.max([v["max"] for v in vs]),
-            "nonfinite": np.sum([v["nonfinite"] for v in vs]),
-        }
-        if "hist" in vs[0]:  # (one radius for every iteration: the counts add up)
-            merged["hist"] = np.sum([v["hist"] for v in vs], axis=0)
-        out[k] = merged
+    for k, vs in pooled.items():  # (one radius for every iteration: histograms add up)
+        out[k] = functools.reduce(functools.partial(pool, k), vs)
     return out
 
 
@@ -235,16 +228,7 @@ def _layer_arrays(
             name = name.rpartition("@")[0]
         keep = np.asarray(v) if kind == "weight" else np.asarray(v, np.float64)
         arrays.setdefault(f"{name}:{kind}", []).append(keep)
-    return rest, {k: _accumulate(k, vs) for k, vs in arrays.items()}
-
-
-def _accumulate(key: str, values: list[np.ndarray]) -> np.ndarray:
-    """Second moments add up, ranges take the maximum, a weight is the same every time."""
-    if key.endswith(":gram"):
-        return np.sum(values, axis=0)
-    if key.endswith(":weight"):
-        return values[0]
-    return np.max(values, axis=0)
+    return rest, {k: functools.reduce(functools.partial(pool, k), vs) for k, vs in arrays.items()}
 
 
 def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
@@ -315,7 +299,7 @@ def _observe(
         for k, v in new.items():
             if not k.endswith(":weight"):
                 _check_finite(k.rsplit(":", 1)[0], v, n - 1)
-            arrays[k] = _accumulate(k, [arrays[k], v]) if k in arrays else v
+            arrays[k] = pool(k, arrays[k], v) if k in arrays else v
         for k, s in stats.items():
             if int(s["nonfinite"]):
                 raise QuantizeError(

@@ -15,9 +15,10 @@ here. Calls to ``jit`` are inlined so that weights flow into their bodies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -51,6 +52,7 @@ from jaxq.quantize._chains import (
 )
 from jaxq.quantize._config import Scheme
 from jaxq.quantize._kvcache import KVCache, cache_carries
+from jaxq.quantize._observers import pool
 from jaxq.quantize._params import (
     CHAIN,
     LeafPlan,
@@ -336,11 +338,8 @@ class Engine:
             carry = list(carry)
             for c in caches:
                 carry[c] = KVCache(carry[c][0], carry[c][1], init_dtypes[c])
-            saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink)
-            self.act_inputs, self.radii = dict(self.act_inputs), dict(self.radii)
-            self.smooth_inputs, self.sink = dict(self.smooth_inputs), {}
-            self.stacks += 1
-            try:
+            with self._body_scope() as sink:
+                self.stacks += 1
                 for (kind, k), v in x_iter.items():
                     {"act": self.act_inputs, "radius": self.radii, "smooth": self.smooth_inputs}[
                         kind
@@ -364,10 +363,6 @@ class Engine:
                             )
                     xs_in.append(WeightRef(ref.leaf, value, (), layers=length))
                 outs = visit.eval_body(C.SCAN_BODY, *consts, *carry, *xs_in)
-                sink = self.sink
-            finally:
-                self.act_inputs, self.radii, self.smooth_inputs, self.sink = saved
-                self.stacks -= 1
             for c in caches:
                 kv = outs[c] if isinstance(outs[c], KVCache) else KVCache.of(self.plain(outs[c]))
                 outs[c] = (kv.codes, kv.scale)
@@ -451,7 +446,7 @@ class Engine:
 
             def body_fun(state: Any) -> Any:
                 outs, sink = body(state[0])
-                return outs, _pool_stats(state[1], sink)
+                return outs, {k: pool(k, a, sink[k], jnp) for k, a in state[1].items()}
 
             outs, sink = lax.while_loop(cond_fun, body_fun, (init, acc))
         self.sink.update(sink)
@@ -485,15 +480,22 @@ class Engine:
     def _run_body(self, visit: Visit, key: str, invals: list[Any]) -> tuple[list[Any], Any]:
         """A nested body evaluated with the rules: its outputs (plain arrays) and what observing
         handlers recorded in it."""
-        saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink)
+        with self._body_scope() as sink:
+            outs = visit.eval_body(key, *invals)
+        return [self.plain(v) for v in outs], sink
+
+    @contextlib.contextmanager
+    def _body_scope(self) -> Iterator[dict[str, Any]]:
+        """While a nested body is evaluated: the activation inputs, radii and smoothing factors
+        it sets stay its own, and observing handlers record into the dict yielded (restored,
+        layer-stack depth included, on the way out)."""
+        saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink, self.stacks)
         self.act_inputs, self.radii = dict(self.act_inputs), dict(self.radii)
         self.smooth_inputs, self.sink = dict(self.smooth_inputs), {}
         try:
-            outs = visit.eval_body(key, *invals)
-            sink = self.sink
+            yield self.sink
         finally:
-            self.act_inputs, self.radii, self.smooth_inputs, self.sink = saved
-        return [self.plain(v) for v in outs], sink
+            self.act_inputs, self.radii, self.smooth_inputs, self.sink, self.stacks = saved
 
     def cache_write_rule(self, visit: Visit, *invals: Any) -> Any:
         """A write into an int8 KV cache quantizes the written vectors only."""
@@ -829,30 +831,6 @@ def _neutral_stats(shapes: Mapping[str, Any]) -> dict[str, Any]:
             out[k] = {s: jnp.full(a.shape, fill.get(s, 0), a.dtype) for s, a in v.items()}
         else:
             out[k] = jnp.zeros(v.shape, v.dtype)
-    return out
-
-
-def _pool_stats(acc: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """``acc`` and one more iteration's statistics ``new`` pooled: ranges widened, counts and
-    second moments added, per-channel ranges maxed, a weight kept."""
-    out: dict[str, Any] = {}
-    for k, a in acc.items():
-        b = new[k]
-        if isinstance(a, Mapping):
-            out[k] = {
-                s: jnp.minimum(a[s], b[s])
-                if s == "min"
-                else jnp.maximum(a[s], b[s])
-                if s == "max"
-                else a[s] + b[s]
-                for s in a
-            }
-        elif k.endswith(":gram"):
-            out[k] = a + b
-        elif k.endswith(":weight"):
-            out[k] = b
-        else:
-            out[k] = jnp.maximum(a, b)
     return out
 
 

@@ -9,6 +9,7 @@ with the amount of data. The per-batch part runs inside the jitted calibration f
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,6 +35,20 @@ def batch_stats(x: jax.Array, radius: jax.Array | None) -> dict[str, jax.Array]:
         idx = jnp.clip(jnp.where(finite, idx, 0), 0, NBINS - 1).astype(jnp.int32)
         out["hist"] = jnp.zeros(NBINS, jnp.int32).at[idx.reshape(-1)].add(1)
     return out
+
+
+def pool(key: str, a: Any, b: Any, xp: Any = np) -> Any:
+    """Two reports of the statistic ``key`` pooled (two iterations, two batches): ranges widen,
+    counts, histograms (over one radius) and second moments (``:gram``) add up, per-channel
+    ranges take the maximum, a weight (``:weight``) is the same every time."""
+    if isinstance(a, Mapping):
+        merge = {"min": xp.minimum, "max": xp.maximum}
+        return {s: merge.get(s, lambda u, v: u + v)(a[s], b[s]) for s in a}
+    if key.endswith(":gram"):
+        return a + b
+    if key.endswith(":weight"):
+        return b
+    return xp.maximum(a, b)
 
 
 class Observer:
