@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from jax import lax
 
 import jaxq
-from jaxq.partition._onnx import onnx_codegen
+from jaxq.partition._onnx import export_onnx, onnx_codegen
 
-pytest.importorskip("onnxruntime")
+ort = pytest.importorskip("onnxruntime")
 
 RNG = np.random.default_rng(0)
 
@@ -107,6 +107,90 @@ def test_the_ops_realize_writes_export_exactly():
         np.testing.assert_array_equal(got, np.asarray(want))
 
 
+def onnx_ops(f, *args):
+    return {n.op_type for n in onnx_codegen(jaxq.trace(f, *args)).model.graph.node}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from([1.0, 1.37, 0.61]),  # scale: mantissa
+    st.integers(-8, 3),  # scale: exponent
+    st.integers(-20, 20),  # zero point
+    st.sampled_from([np.int8, np.uint8]),
+    st.sampled_from(["clamp", "min_max", "max_min"]),
+    st.booleans(),  # through int32 (realize's route for some backends)
+    st.integers(0, 2**16),
+)
+def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
+    mantissa, exponent, zp, dtype, clamp, wide, seed
+):
+    rng = np.random.default_rng(seed)
+    scale = np.float32(mantissa * 2.0**exponent)
+    info = np.iinfo(dtype)
+    zp = int(np.clip(zp + (128 if dtype == np.uint8 else 0), info.min, info.max))
+    x = (rng.normal(size=(5, 7)) * 100 * scale).astype(np.float32)
+    x[0, 3] = scale * np.float32(1e9)  # (saturates)
+    if mantissa == 1.0:  # ties to even (exact halves only for a power-of-two scale: XLA:CPU's
+        x[0, :3] = scale * np.array([0.5, 1.5, -2.5], np.float32)  # vector division is not IEEE)
+    x[1, :2] = [np.inf, -np.inf]
+
+    def f(x, s):  # (as realize writes it; the scale an argument, as a QArray's is)
+        r = lax.round(x / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
+        lo, hi = np.float32(info.min), np.float32(info.max)
+        r = {"clamp": lambda: lax.clamp(lo, r, hi), "min_max": lambda: lax.min(lax.max(r, lo), hi),
+             "max_min": lambda: lax.max(lax.min(r, hi), lo)}[clamp]()  # fmt: skip
+        return (r.astype(jnp.int32) if wide else r).astype(dtype)
+
+    s = scale
+    (got,) = run_onnx(f, x, s)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, s)))
+    ops = onnx_ops(f, x, s)
+    assert "QuantizeLinear" in ops and "Round" not in ops
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 6),  # rows
+    st.integers(1, 40),  # contracted
+    st.integers(1, 9),  # columns
+    st.sampled_from([np.int8, np.uint8]),  # activation codes
+    st.integers(-40, 40),  # activation zero point c (the term subtracted: c * column sums)
+    st.booleans(),  # scales per column (else one)
+    st.sampled_from(["none", "nan_row", "nan_row_bias", "bias"]),
+    st.booleans(),  # a zero-point term that is not c * column sums: not fused
+    st.integers(0, 2**16),
+)
+def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
+    m, k, n, a_dtype, c, per_column, tail, wrong, seed
+):
+    rng = np.random.default_rng(seed)
+    x, w = codes(rng, (m, k), a_dtype), codes(rng, (k, n))
+    x[0, 0] = np.iinfo(a_dtype).max  # (extremes)
+    cols = w.astype(np.int32).sum(0, keepdims=True)
+    term = (c * cols + (1 if wrong else 0)).astype(np.int32)
+    scales = rng.uniform(1e-4, 1e-1, size=(1, n) if per_column else ()).astype(np.float32)
+    bias = rng.normal(size=n).astype(np.float32)
+    xf = rng.normal(size=(m, 3)).astype(np.float32)
+    xf[-1, 0] = np.nan  # (a NaN row: the poison must still reach its output row)
+
+    def f(x, xf):
+        acc = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        y = (acc - term).astype(jnp.float32) * scales
+        if tail.startswith("nan_row"):
+            y = y + jnp.max(jnp.abs(xf), axis=1, keepdims=True) * np.float32(0)
+        return y + bias if tail.endswith("bias") else y
+
+    (got,) = run_onnx(f, x, xf)
+    want = np.asarray(jax.jit(f)(x, xf))
+    if tail == "bias":  # XLA:CPU contracts y * s + b into one FMA; ONNX Runtime rounds twice
+        np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+    else:  # as realize writes it (the NaN row between): the same floats
+        np.testing.assert_array_equal(got, want)
+    zp_fits = 0 <= c + (128 if a_dtype == np.int8 else 0) <= 255
+    fused = "MatMulIntegerToFloat" in onnx_ops(f, x, xf)
+    assert fused == (zp_fits and not (wrong and cols.any()))
+
+
 # ---- offloading quantized functions ---------------------------------------------------------------
 
 
@@ -163,7 +247,31 @@ def test_a_realized_mlp_runs_in_one_onnx_region_as_xla_computes_it():
     assert {(24, 48), (48, 10)} <= int8_inits
     assert [i.name for i in run.session.get_inputs()] == ["in0"]  # the activations only
     ops = {n.op_type for n in run.model.graph.node}
-    assert "MatMulInteger" in ops and "MatMul" not in ops  # (no float matmul left)
+    # quantize -> one QuantizeLinear; int8 dot, zero-point term, rescale and bias -> one
+    # MatMulIntegerToFloat (ONNX Runtime's fused kernel); no float matmul left
+    assert {"QuantizeLinear", "MatMulIntegerToFloat"} <= ops
+    assert not ops & {"MatMul", "MatMulInteger", "Round", "Div"}
+    # standard ONNX only (for other runtimes): MatMulInteger and the rescale as ops, same result
+    std = export_onnx(region.program(), onnxruntime_ops=False)
+    assert {n.domain for n in std.graph.node} == {""}
+    assert {"QuantizeLinear", "MatMulInteger"} <= {n.op_type for n in std.graph.node}
+    sess = ort.InferenceSession(std.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = sess.run(None, {"in0": x})
+    np.testing.assert_array_equal(y, np.asarray(qf(x)))
+
+
+def test_an_onnx_runtime_without_the_fused_kernel_gets_standard_ops(monkeypatch):
+    # (older releases took one scale per MatMulIntegerToFloat: probed once per process)
+    from jaxq.partition import _onnx
+
+    assert _onnx._fused_kernels_run()  # the installed one runs them, as the exporter writes them
+    f, params, qf = quantized_mlp()
+    x = RNG.normal(size=(5, 24)).astype(np.float32)
+    (region,) = jaxq.offload(qf).regions(x)
+    monkeypatch.setattr(_onnx, "_fused_kernels_run", lambda: False)
+    run = onnx_codegen(region.program())
+    assert "MatMulIntegerToFloat" not in {n.op_type for n in run.model.graph.node}
+    np.testing.assert_array_equal(np.asarray(run(x)[0]), np.asarray(qf(x)))
 
 
 @settings(max_examples=6, deadline=None)

@@ -7,12 +7,16 @@ bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize writes
 ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMulInteger`` and an
 int8 convolution ``ConvInteger``, their int8 activations shifted by 128 into uint8 with a zero
 point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ONNX Runtime's x86
-kernels run fast. The session is called through ``jax.pure_callback``, so a built program stays
+kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused kernels where they
+compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with its zero-point
+term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term
+checked on the weights' values), ``any(not finite(x))`` as ``isnan(sum(x * 0))``. The session is called through ``jax.pure_callback``, so a built program stays
 jittable. Needs the optional packages ``onnx`` and ``onnxruntime`` (``pip install jaxq[onnx]``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -28,9 +32,8 @@ OPSET = 18
 
 _UNARY = {
     "neg": "Neg", "sin": "Sin", "cos": "Cos", "tanh": "Tanh", "exp": "Exp", "log": "Log",
-    "abs": "Abs", "sqrt": "Sqrt", "logistic": "Sigmoid", "sign": "Sign", "copy": "Identity",
-    "copy_p": "Identity", "erf": "Erf", "floor": "Floor", "ceil": "Ceil",
-    "stop_gradient": "Identity",
+    "abs": "Abs", "sqrt": "Sqrt", "logistic": "Sigmoid", "sign": "Sign", "erf": "Erf",
+    "floor": "Floor", "ceil": "Ceil",
 }  # fmt: skip
 _BINARY = {
     "add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min",
@@ -42,7 +45,7 @@ _OTHER = {
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square", "round", "clamp", "conv_general_dilated",
     "reduce_window_max", "pad", "is_finite", "not", "and", "or", "reduce_or", "reduce_and",
-    "concatenate", "slice", "ne", "erfc",
+    "concatenate", "slice", "ne", "erfc", "copy", "copy_p", "stop_gradient",
 }  # fmt: skip
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
 ONNX_PRIMITIVES: frozenset[str] = frozenset(_UNARY.keys() | _BINARY.keys() | _OTHER)
@@ -119,12 +122,46 @@ def _broadcast_only(jaxpr: C.Jaxpr) -> set[Any]:
     return {v for v, us in users.items() if us <= _BROADCASTING and v not in outs}
 
 
+class _NoMatch(Exception):
+    """A pattern rule does not apply (the equation is exported op by op)."""
+
+
+class _Uses:
+    """Who produces each value of a jaxpr and who reads it (the pattern rules ask)."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        self.producer: dict[Any, C.JaxprEqn] = {}
+        self.users: dict[Any, list[C.JaxprEqn | None]] = {}
+        for e in getattr(jaxpr, "eqns", ()):
+            self.producer.update((v, e) for v in e.outvars)
+            for v in e.invars:
+                if not C.is_literal(v):
+                    self.users.setdefault(v, []).append(e)
+        for v in getattr(jaxpr, "outvars", ()):
+            if not C.is_literal(v):
+                self.users.setdefault(v, []).append(None)  # (an output: never fused away)
+
+    def made_by(self, v: Any, *names: str) -> C.JaxprEqn | None:
+        """The equation that produced ``v``, if it is one of ``names``."""
+        e = None if C.is_literal(v) else self.producer.get(v)
+        return e if e is not None and e.primitive.name in names else None
+
+    def sole_user(self, v: Any, *names: str) -> C.JaxprEqn | None:
+        """The one equation reading ``v``, if only one does and it is one of ``names``."""
+        us = self.users.get(v, [])
+        e = us[0] if len(us) == 1 else None
+        return e if e is not None and e.primitive.name in names else None
+
+
 class _Exporter:
-    def __init__(self, onnx: Any) -> None:
+    def __init__(self, onnx: Any, fuse: bool = True) -> None:
         self.onnx, self.helper = onnx, onnx.helper
+        self.fuse = fuse
+        """Whether ONNX Runtime's fused ``com.microsoft`` kernels may be written."""
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
         self.count = 0
+        self.small: dict[Any, str] = {}
         self.values: dict[str, np.ndarray] = {}
         """The initializers' values by name (weight layouts are folded into new ones)."""
         self.float_codes: dict[str, tuple[str, Any]] = {}
@@ -133,6 +170,17 @@ class _Exporter:
         """Values that are a ``Not`` of another: that other one."""
         self.broadcasting: set[Any] = set()
         """Values whose every use is an op that broadcasts numpy-style (no Expand needed)."""
+        self.quantized: dict[str, tuple[str, str, Any]] = {}
+        """int8 codes written by ``QuantizeLinear``: its input, scale and zero point (see
+        shifted_u8)."""
+        self.graph = _Uses(())
+        """Producers and use counts of the jaxpr being exported (the pattern rules read them)."""
+        self.env: dict[Any, str] = {}
+        self.done: dict[int, tuple[str, Any] | None] = {}
+        """Equations a pattern rule already wrote: the name of their result and a value still to
+        add to it where the equation stands (None: a value only the fused node read)."""
+        self.contrib = False
+        """Whether a node of ONNX Runtime's ``com.microsoft`` domain was written."""
 
     def fresh(self, hint: str = "v") -> str:
         self.count += 1
@@ -140,7 +188,12 @@ class _Exporter:
 
     def const(self, value: Any, dtype: Any = None) -> str:
         arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 64 else None
+        if key in self.small:  # (one name per small constant: ONNX Runtime's CSE merges the
+            return self.small[key]  # q, k and v projections' identical quantize chains)
         name = self.fresh("c")
+        if key is not None:
+            self.small[key] = name
         self.inits.append(self.onnx.numpy_helper.from_array(arr, name))
         self.values[name] = arr
         return name
@@ -161,6 +214,8 @@ class _Exporter:
             env[v] = self.const(c)
         env.update(zip(jaxpr.invars, args, strict=True))
         self.broadcasting |= _broadcast_only(jaxpr)
+        outer = self.graph, self.env
+        self.graph, self.env = _Uses(jaxpr), env
 
         def read(a: Any) -> str:
             if C.is_literal(a):
@@ -168,10 +223,27 @@ class _Exporter:
             return env[a]
 
         for e in jaxpr.eqns:
+            if id(e) in self.done:
+                fused = self.done.pop(id(e))
+                if fused is not None:
+                    out, late = fused
+                    if late is not None:  # (computed after the fused node: added here)
+                        out = self.node("Add", [out, read(late)])[0]
+                    env[e.outvars[0]] = out
+                continue
             ins = [read(a) for a in e.invars]
             outs = self.eqn(e, ins)
             env.update(zip(e.outvars, outs, strict=True))
-        return [read(a) for a in jaxpr.outvars]
+        outs = [read(a) for a in jaxpr.outvars]
+        self.graph, self.env = outer
+        return outs
+
+    def value(self, a: Any) -> np.ndarray | None:
+        """The value of a literal or of a constant (an initializer) of the current jaxpr."""
+        if C.is_literal(a):
+            return np.asarray(a.val, a.aval.dtype)
+        name = self.env.get(a)
+        return None if name is None else self.values.get(name)
 
     def eqn(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         name, p = e.primitive.name, e.params
@@ -179,6 +251,8 @@ class _Exporter:
         body = C.inline_body(e)
         if body is not None:
             return self.run(body.jaxpr, body.consts, ins)
+        if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
+            return ins
         if name in _UNARY:
             return self.node(_UNARY[name], ins)
         if name in _BINARY:
@@ -211,6 +285,9 @@ class _Exporter:
         if name == "transpose":
             return self.node("Transpose", ins, perm=list(p["permutation"]))
         if name == "convert_element_type":
+            q = self.quantize_linear(e)
+            if q is not None:
+                return [q]
             to = self.helper.np_dtype_to_tensor_dtype(np.dtype(p["new_dtype"]))
             cast = self.node("Cast", ins, to=to)
             src_dtype = np.dtype(shaped_aval(e.invars[0]).dtype)
@@ -236,8 +313,8 @@ class _Exporter:
             return self.node("Sub", [one, self.node("Erf", ins)[0]])
         if name == "ne":
             return self.node("Not", self.node("Equal", ins))
-        if name == "is_finite":
-            bad = self.node("Or", [self.node("IsNaN", ins)[0], self.node("IsInf", ins)[0]])
+        if name == "is_finite":  # (x - x is NaN exactly where x is NaN or infinite)
+            bad = self.node("IsNaN", self.node("Sub", [ins[0], ins[0]]))
             finite = self.node("Not", bad)
             self.negations[finite[0]] = bad[0]
             return finite
@@ -247,6 +324,15 @@ class _Exporter:
             logical = shaped_aval(e.outvars[0]).dtype == np.bool_
             logic_op = {"not": "Not", "and": "And", "or": "Or"}[name]
             return self.node(logic_op if logical else f"Bitwise{logic_op}", ins)
+        if name == "reduce_or" and self.fuse:
+            neg = self.graph.made_by(e.invars[0], "not")
+            fin = self.graph.made_by(neg.invars[0], "is_finite") if neg is not None else None
+            if fin is not None:  # any(not finite(x)) as isnan(sum(x * 0)): two passes, not four
+                x = self.name_of(fin.invars[0])
+                zero = self.const(0, shaped_aval(fin.invars[0]).dtype)
+                axes = self.const(list(p["axes"]), np.int64)
+                total = self.node("ReduceSum", [self.node("Mul", [x, zero])[0], axes], keepdims=0)
+                return self.node("IsNaN", total)
         if name in ("reduce_or", "reduce_and"):  # as a max / min over 0 / 1 bytes
             u8 = self.node("Cast", ins, to=self.onnx.TensorProto.UINT8)
             axes = self.const(list(p["axes"]), np.int64)
@@ -270,6 +356,174 @@ class _Exporter:
             return self.max_pool(e, ins)
         raise BackendError(f"the ONNX exporter has no rule for {name!r}")
 
+    def name_of(self, a: Any) -> str:
+        return self.const(a.val, a.aval.dtype) if C.is_literal(a) else self.env[a]
+
+    def is_scalar(self, a: Any, want: float) -> bool:
+        v = self.value(a)
+        return v is not None and v.size == 1 and float(v.reshape(())) == want
+
+    def clamped(self, v: Any, lo: float, hi: float) -> Any:
+        """``x`` where ``v`` is ``x`` clamped to ``[lo, hi]`` (``lax.clamp``, or ``min`` and
+        ``max`` in either order), else None."""
+        g = self.graph
+        e = g.made_by(v, "clamp")
+        if e is not None:
+            ok = self.is_scalar(e.invars[0], lo) and self.is_scalar(e.invars[2], hi)
+            return e.invars[1] if ok else None
+        for outer, inner, first, second in (("min", "max", hi, lo), ("max", "min", lo, hi)):
+            e = g.made_by(v, outer)
+            if e is None:
+                continue
+            for i in (0, 1):
+                f = g.made_by(e.invars[i], inner)
+                if f is None or not self.is_scalar(e.invars[1 - i], first):
+                    continue
+                for j in (0, 1):
+                    if self.is_scalar(f.invars[1 - j], second):
+                        return f.invars[j]
+        return None
+
+    def quantize_linear(self, e: C.JaxprEqn) -> str | None:
+        """Realize's quantize, ``clamp(round(x / s) + zp, lo, hi)`` cast to 8 bits (through
+        int32 or not), as one ``QuantizeLinear``, which computes ``clamp(round(x / s), lo - zp,
+        hi - zp) + zp``: the same integers for an integer zp (NaN inputs give other codes, which
+        realize's NaN rows override). Codes of int8 are recorded so that a dot's uint8 operand is
+        the same node with its zero point moved by 128 (see shifted_u8). None: not that
+        pattern."""
+        to = np.dtype(e.params["new_dtype"])
+        g = self.graph
+        v = e.invars[0]
+        wide = g.made_by(v, "convert_element_type")
+        if wide is not None and np.dtype(shaped_aval(v).dtype) == np.int32:
+            v = wide.invars[0]
+        if to not in _INT8 or np.dtype(shaped_aval(v).dtype) != np.float32:
+            return None
+        v = self.clamped(v, np.iinfo(to).min, np.iinfo(to).max)
+        zp: Any = None
+        add = None if v is None else g.made_by(v, "add")
+        if add is not None:
+            i = 0 if g.made_by(add.invars[0], "round") else 1
+            v, zp = add.invars[i], add.invars[1 - i]
+        rnd = None if v is None else g.made_by(v, "round")
+        div = g.made_by(rnd.invars[0], "div") if rnd is not None else None
+        if div is None or int(rnd.params["rounding_method"]) != 1:  # type: ignore[union-attr]
+            return None
+        x, scale = div.invars
+        scalars = [a for a in (scale, zp) if a is not None]
+        if any(shaped_aval(a).shape != () or shaped_aval(a).dtype != np.float32 for a in scalars):
+            return None
+        known = np.zeros((), np.float32) if zp is None else self.value(zp)
+        if known is not None:
+            if float(known) != round(float(known)):
+                return None
+            zp_ref: Any = np.asarray(known, np.int16)
+            zp_name = self.const(zp_ref, to)
+        else:
+            zp_ref = self.name_of(zp)
+            zp_name = self.node("Cast", [zp_ref], to=self.helper.np_dtype_to_tensor_dtype(to))[0]
+        src, s = self.name_of(x), self.name_of(scale)
+        out = self.node("QuantizeLinear", [src, s, zp_name])[0]
+        if to == np.int8:
+            self.quantized[out] = (src, s, zp_ref)
+        return out
+
+    def rescaled(self, e: C.JaxprEqn) -> tuple[C.JaxprEqn, list[C.JaxprEqn], np.ndarray, int]:
+        """For an 8-bit dot whose result is only read as ``float(dot - w) * y``, with ``w`` a
+        constant zero-point term and ``y`` constant scales per output column: the equation that
+        writes ``* y``, those between, ``y``, and the activation zero point ``c`` for which
+        ``w = c * (column sums of the weights)``, checked on the values. Raises _NoMatch when
+        the dot is not read that way."""
+        g = self.graph
+        (_, cy), (bx, _) = e.params["dimension_numbers"]
+        weights = self.value(e.invars[1])
+        ya = shaped_aval(e.invars[1])
+        fy = [d for d in range(ya.ndim) if d not in cy]
+        if bx or weights is None or weights.dtype != np.int8 or len(fy) != 1:
+            raise _NoMatch("not a dot with constant int8 weights and one output axis")
+        v, chain, w = e.outvars[0], [], None
+        sub = g.sole_user(v, "sub")
+        if sub is not None and sub.invars[0] is v:
+            w = self.value(sub.invars[1])
+            if w is None:
+                raise _NoMatch("a zero-point term computed at run time (asymmetric weights)")
+            chain.append(sub)
+            v = sub.outvars[0]
+        cast = g.sole_user(v, "convert_element_type")
+        if cast is None or np.dtype(cast.params["new_dtype"]) != np.float32:
+            raise _NoMatch("not cast to float32")
+        chain.append(cast)
+        mul = g.sole_user(cast.outvars[0], "mul")
+        shape = shaped_aval(e.outvars[0]).shape
+        n = ya.shape[fy[0]]
+        y = None
+        if mul is not None and shaped_aval(mul.outvars[0]).shape == shape:
+            y = self.value(mul.invars[1] if mul.invars[0] is cast.outvars[0] else mul.invars[0])
+        if mul is None or y is None or y.dtype != np.float32 or y.size not in (1, n):
+            raise _NoMatch("not scaled by constant float32 scales per column")
+        if y.size > 1 and y.shape[-1] != n:
+            raise _NoMatch("scales along another axis than the columns")
+        cols = np.transpose(weights, [*cy, *fy]).reshape(-1, n).astype(np.int64).sum(0)
+        c = 0
+        if w is not None:
+            if w.size not in (1, n) or (w.size > 1 and w.shape[-1] != n):
+                raise _NoMatch("a zero-point term that is not per column")
+            terms = np.broadcast_to(w.reshape(-1), (n,)).astype(np.int64)
+            nz = np.flatnonzero(cols)
+            c = int(terms[nz[0]] // cols[nz[0]]) if nz.size else 0
+            if not np.array_equal(terms, c * cols):
+                raise _NoMatch("a zero-point term that is not the weights' column sums")
+        return mul, chain, y, c
+
+    def poison(self, a: Any) -> bool:
+        """Whether ``a`` is realize's NaN row: ``r * 0`` or ``where(bad, nan, 0)``, so adding it
+        leaves a float as it is or makes it NaN (and the order of additions does not matter)."""
+        e = self.graph.made_by(a, "mul", "select_n", "jit", "pjit")
+        if e is None:
+            return False
+        if e.primitive.name == "mul":
+            return any(self.is_scalar(b, 0.0) for b in e.invars)
+        cases = [self.value(b) for b in e.invars[1:]]
+        if e.primitive.name != "select_n" and C.call_name(e) != "_where":
+            return False
+        return all(c is not None and c.size == 1 for c in cases) and {
+            "nan" if np.isnan(c) else float(c)  # type: ignore[arg-type]
+            for c in cases
+        } <= {"nan", 0.0}
+
+    def biased(self, mul: C.JaxprEqn, n: int) -> tuple[list[C.JaxprEqn], Any, Any]:
+        """After ``float(dot) * y``: ``+ bias`` (constant, per column), possibly after ``+`` a NaN
+        row. Returns the equations of that, the bias as a vector (None: no bias) and the NaN row
+        to add after the fused kernel (None: none)."""
+        g = self.graph
+        add = g.sole_user(mul.outvars[0], "add")
+        if add is None:
+            return [], None, None
+        adds = [add]
+        out = shaped_aval(mul.outvars[0]).shape
+        i = 0 if add.invars[1] is mul.outvars[0] else 1
+        other = add.invars[i]
+        bias = self.value(other)
+        poison = None
+        if bias is None and self.poison(other):
+            poison, nxt = other, g.sole_user(add.outvars[0], "add")
+            if nxt is None:
+                return [], None, None
+            bias = self.value(nxt.invars[1] if nxt.invars[0] is add.outvars[0] else nxt.invars[0])
+            add = nxt
+            adds.append(add)
+        size = out[-1] if out else 1
+        if (
+            bias is None
+            or bias.dtype != np.float32
+            or shaped_aval(add.outvars[0]).shape != out
+            or bias.size not in (1, size)
+            or (bias.size > 1 and bias.shape[-1] != size)
+            or n not in (1, size)
+        ):
+            return [], None, None
+        return adds, np.broadcast_to(bias.reshape(-1), (size,)).astype(np.float32), poison
+
     def transpose(self, x: str, perm: Sequence[int]) -> str:
         if list(perm) == sorted(perm):
             return x
@@ -283,6 +537,15 @@ class _Exporter:
         Codes just cast from float (realize's quantize) are shifted before the cast instead."""
         if np.dtype(dtype) == np.uint8:
             return x, None
+        if x in self.quantized:  # the same QuantizeLinear with its zero point moved by 128
+            src, scale, zp = self.quantized[x]
+            if isinstance(zp, np.ndarray):
+                zp_u8 = self.const(zp.astype(np.int16) + 128, np.uint8)
+            else:
+                wide = self.node("Cast", [zp], to=self.onnx.TensorProto.INT16)
+                moved = self.node("Add", [wide[0], self.const(128, np.int16)])
+                zp_u8 = self.node("Cast", moved, to=self.onnx.TensorProto.UINT8)[0]
+            return self.node("QuantizeLinear", [src, scale, zp_u8])[0], self.const(128, np.uint8)
         if x in self.float_codes:  # integer-valued floats in [-128, 127]: + 128 is exact
             src, dt = self.float_codes[x]
             shifted = self.node("Add", [src, self.const(128, dt)])
@@ -400,6 +663,30 @@ class _Exporter:
         x, zp = self.shifted_u8(ins[0], xa.dtype) if integer else (ins[0], None)
         x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
         y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
+        if integer and self.fuse:
+            try:
+                mul, chain, scales, c = self.rescaled(e)
+            except _NoMatch:
+                pass
+            else:
+                a_zp = c + (0 if np.dtype(xa.dtype) == np.uint8 else 128)
+                if 0 <= a_zp <= 255:
+                    # float(dot - w) * y in one kernel: (x - a_zp) w * (1 * y), the same floats
+                    ins_ = [x, y, self.const(1.0, np.float32)]
+                    ins_ += [self.const(scales.reshape(-1 if scales.size > 1 else ()))]
+                    ins_ += [self.const(a_zp, np.uint8)]
+                    after, bias, poison = self.biased(mul, scales.size)
+                    chain = [*chain, mul, *after]
+                    last = chain.pop()
+                    if bias is not None:
+                        ins_ += ["", self.const(bias)]
+                    fused = self.node("MatMulIntegerToFloat", ins_, domain="com.microsoft")
+                    self.contrib = True
+                    shape = list(shaped_aval(mul.outvars[0]).shape)
+                    out = self.node("Reshape", [fused[0], self.const(shape, np.int64)])
+                    self.done.update({id(q): None for q in chain})
+                    self.done[id(last)] = (out[0], poison)
+                    return fused  # (the dot's own int32 result is never read)
         if integer:
             zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
             out = self.node("MatMulInteger", [x, y, *zps])
@@ -413,8 +700,14 @@ class _Exporter:
         return out
 
 
-def export_onnx(region: Program) -> Any:
-    """Export a region (a Program over flat arrays) to an ``onnx.ModelProto``."""
+def export_onnx(region: Program, *, onnxruntime_ops: bool = True) -> Any:
+    """Export a region (a Program over flat arrays) to an ``onnx.ModelProto``.
+
+    With ``onnxruntime_ops`` (the default), an 8-bit dot whose result is only rescaled to float
+    (realize's ``float(dot - zero-point term) * scales``) becomes one ONNX Runtime
+    ``com.microsoft.MatMulIntegerToFloat`` (the same floats, one kernel instead of four);
+    ``onnxruntime_ops=False`` keeps to the standard ONNX domain, for other runtimes.
+    """
     try:
         import onnx
     except ImportError as e:
@@ -427,7 +720,7 @@ def export_onnx(region: Program) -> Any:
         raise BackendError(
             f"the ONNX exporter cannot export region {region.name!r}: no rule for {sorted(bad)}"
         )
-    ex = _Exporter(onnx)
+    ex = _Exporter(onnx, fuse=onnxruntime_ops)
     names = [f"in{i}" for i in range(len(closed.jaxpr.invars))]
     outs = ex.run(closed.jaxpr, closed.consts, names)
     h = onnx.helper
@@ -441,21 +734,56 @@ def export_onnx(region: Program) -> Any:
         ex.nodes.append(h.make_node("Identity", [o], [name]))
         dt = h.np_dtype_to_tensor_dtype(np.dtype(a.dtype))
         outputs.append(h.make_tensor_value_info(name, dt, list(a.shape)))
-    used = {i for n in ex.nodes for i in n.input}  # (weights whose layout was folded: gone)
-    inits = [t for t in ex.inits if t.name in used]
-    graph = h.make_graph(ex.nodes, region.name, inputs, outputs, inits)
-    model = h.make_model(
-        graph, opset_imports=[h.make_opsetid("", OPSET)], producer_name="jaxq", ir_version=9
-    )
+    live, nodes = {o.name for o in outputs}, []
+    for node in reversed(ex.nodes):  # (what a pattern rule replaced is read by nothing: gone)
+        if any(o in live for o in node.output):
+            nodes.append(node)
+            live.update(node.input)
+    inits = [t for t in ex.inits if t.name in live]  # (weights whose layout was folded: gone)
+    graph = h.make_graph(nodes[::-1], region.name, inputs, outputs, inits)
+    opsets = [h.make_opsetid("", OPSET)]
+    if ex.contrib:
+        opsets.append(h.make_opsetid("com.microsoft", 1))
+    model = h.make_model(graph, opset_imports=opsets, producer_name="jaxq", ir_version=9)
     onnx.checker.check_model(model)
     return model
+
+
+@functools.cache
+def _fused_kernels_run() -> bool:
+    """Whether the installed ONNX Runtime runs ``MatMulIntegerToFloat`` with a scale per column
+    and a bias as the exporter writes it, and gets the same floats (older releases took one
+    scale): checked once per process on a 2 x 3 x 2 product."""
+    import onnx
+    import onnxruntime as ort
+
+    h, t = onnx.helper, onnx.TensorProto
+    a = np.array([[0, 255, 7], [130, 1, 128]], np.uint8)
+    b = np.array([[1, -2], [3, 127], [-128, 5]], np.int8)
+    scale, bias = np.array([0.5, 0.25], np.float32), np.array([1.0, -2.0], np.float32)
+    values = {"b": b, "one": np.float32(1), "s": scale, "zp": np.uint8(128), "c": bias}
+    inits = [onnx.numpy_helper.from_array(np.asarray(v), k) for k, v in values.items()]
+    node = h.make_node(
+        "MatMulIntegerToFloat", ["a", "b", "one", "s", "zp", "", "c"], ["y"], domain="com.microsoft"
+    )
+    graph = h.make_graph(
+        [node], "probe", [h.make_tensor_value_info("a", t.UINT8, [2, 3])],
+        [h.make_tensor_value_info("y", t.FLOAT, [2, 2])], inits,
+    )  # fmt: skip
+    opsets = [h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", 1)]
+    model = h.make_model(graph, opset_imports=opsets, ir_version=9)
+    want = ((a.astype(np.int32) - 128) @ b.astype(np.int32)).astype(np.float32) * scale + bias
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return bool(np.array_equal(sess.run(None, {"a": a})[0], want))
+    except Exception:  # (any failure: the standard ops instead)
+        return False
 
 
 def onnx_codegen(region: Program) -> Callable[..., Sequence[Any]]:
     """Export the region and open an ONNX Runtime session for it (CPU execution provider). The
     returned callable carries ``.model``, ``.session`` and ``.calls`` (how many times the session
     ran)."""
-    model = export_onnx(region)
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -463,6 +791,7 @@ def onnx_codegen(region: Program) -> Callable[..., Sequence[Any]]:
             "the onnxruntime backend needs the 'onnxruntime' package: pip install onnxruntime "
             "(or jaxq[onnx])"
         ) from e
+    model = export_onnx(region, onnxruntime_ops=_fused_kernels_run())
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     # one thread per core, and idle threads sleep: spinning ORT threads next to XLA's made the
