@@ -107,8 +107,10 @@ def test_the_ops_realize_writes_export_exactly():
         np.testing.assert_array_equal(got, np.asarray(want))
 
 
-def onnx_ops(f, *args):
-    return {n.op_type for n in onnx_codegen(jaxq.trace(f, *args)).model.graph.node}
+def run_onnx_ops(f, *args):
+    """Like run_onnx, and the op types of the exported model (one export, one session)."""
+    run = onnx_codegen(jaxq.trace(f, *args))
+    return [np.asarray(y) for y in run(*args)], {n.op_type for n in run.model.graph.node}
 
 
 @settings(max_examples=25, deadline=None)
@@ -142,9 +144,8 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
         return (r.astype(jnp.int32) if wide else r).astype(dtype)
 
     s = scale
-    (got,) = run_onnx(f, x, s)
+    (got,), ops = run_onnx_ops(f, x, s)
     np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, s)))
-    ops = onnx_ops(f, x, s)
     assert "QuantizeLinear" in ops and "Round" not in ops
 
 
@@ -180,14 +181,14 @@ def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
             y = y + jnp.max(jnp.abs(xf), axis=1, keepdims=True) * np.float32(0)
         return y + bias if tail.endswith("bias") else y
 
-    (got,) = run_onnx(f, x, xf)
+    (got,), ops = run_onnx_ops(f, x, xf)
     want = np.asarray(jax.jit(f)(x, xf))
     if tail == "bias":  # XLA:CPU contracts y * s + b into one FMA; ONNX Runtime rounds twice
         np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
     else:  # as realize writes it (the NaN row between): the same floats
         np.testing.assert_array_equal(got, want)
     zp_fits = 0 <= c + (128 if a_dtype == np.int8 else 0) <= 255
-    fused = "MatMulIntegerToFloat" in onnx_ops(f, x, xf)
+    fused = "MatMulIntegerToFloat" in ops
     assert fused == (zp_fits and not (wrong and cols.any()))
 
 

@@ -10,8 +10,8 @@ point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ON
 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused kernels where they
 compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with its zero-point
 term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term
-checked on the weights' values), ``any(not finite(x))`` as ``isnan(sum(x * 0))``. The session is called through ``jax.pure_callback``, so a built program stays
-jittable. Needs the optional packages ``onnx`` and ``onnxruntime`` (``pip install jaxq[onnx]``).
+checked on the weights' values), ``any(not finite(x))`` as ``isnan(sum(x * 0))``. The session is
+called through ``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime`` (``pip install jaxq[onnx]``).
 """
 
 from __future__ import annotations
@@ -129,17 +129,10 @@ class _NoMatch(Exception):
 class _Uses:
     """Who produces each value of a jaxpr and who reads it (the pattern rules ask)."""
 
-    def __init__(self, jaxpr: Any) -> None:
-        self.producer: dict[Any, C.JaxprEqn] = {}
-        self.users: dict[Any, list[C.JaxprEqn | None]] = {}
-        for e in getattr(jaxpr, "eqns", ()):
-            self.producer.update((v, e) for v in e.outvars)
-            for v in e.invars:
-                if not C.is_literal(v):
-                    self.users.setdefault(v, []).append(e)
-        for v in getattr(jaxpr, "outvars", ()):
-            if not C.is_literal(v):
-                self.users.setdefault(v, []).append(None)  # (an output: never fused away)
+    def __init__(self, eqns: Sequence[C.JaxprEqn] = (), outvars: Sequence[Any] = ()) -> None:
+        self.producer = {v: e for e in eqns for v in e.outvars}
+        self.count = C.use_counts(eqns, outvars)  # (an output counts: never fused away)
+        self.reader = {v: e for e in eqns for v in e.invars if not C.is_literal(v)}
 
     def made_by(self, v: Any, *names: str) -> C.JaxprEqn | None:
         """The equation that produced ``v``, if it is one of ``names``."""
@@ -148,8 +141,7 @@ class _Uses:
 
     def sole_user(self, v: Any, *names: str) -> C.JaxprEqn | None:
         """The one equation reading ``v``, if only one does and it is one of ``names``."""
-        us = self.users.get(v, [])
-        e = us[0] if len(us) == 1 else None
+        e = self.reader.get(v) if self.count.get(v) == 1 else None
         return e if e is not None and e.primitive.name in names else None
 
 
@@ -173,7 +165,7 @@ class _Exporter:
         self.quantized: dict[str, tuple[str, str, Any]] = {}
         """int8 codes written by ``QuantizeLinear``: its input, scale and zero point (see
         shifted_u8)."""
-        self.graph = _Uses(())
+        self.graph = _Uses()
         """Producers and use counts of the jaxpr being exported (the pattern rules read them)."""
         self.env: dict[Any, str] = {}
         self.done: dict[int, tuple[str, Any] | None] = {}
@@ -215,7 +207,7 @@ class _Exporter:
         env.update(zip(jaxpr.invars, args, strict=True))
         self.broadcasting |= _broadcast_only(jaxpr)
         outer = self.graph, self.env
-        self.graph, self.env = _Uses(jaxpr), env
+        self.graph, self.env = _Uses(jaxpr.eqns, jaxpr.outvars), env
 
         def read(a: Any) -> str:
             if C.is_literal(a):
