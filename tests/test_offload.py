@@ -293,8 +293,11 @@ def test_offloaded_relu_mlps_equal_xla_realize(asym, wasym, granularity, batch, 
     )
     calib = [(rng.normal(size=(8, 8)).astype(np.float32),)]
     qf = jaxq.quantize(mlp, params, calibration=calib, config=cfg, progress=False)
-    x = rng.normal(size=(batch, 8)).astype(np.float32) * 1.5  # (some clip)
-    np.testing.assert_array_equal(np.asarray(jaxq.offload(qf)(x)), np.asarray(qf(x)))
+    x = rng.normal(size=(batch + 3, 8)).astype(np.float32) * 1.5  # (some clip)
+    x[[-3, -2, -1], rng.integers(0, 8, 3)] = [np.nan, np.inf, -np.inf]  # rows that come out NaN
+    got, want = np.asarray(jaxq.offload(qf)(x)), np.asarray(qf(x))
+    assert np.isnan(want[-3:]).all() and not np.isnan(want[:-3]).any()
+    np.testing.assert_array_equal(got, want)
 
 
 def test_float_ops_between_layers_round_differently_within_the_stated_bound():

@@ -52,6 +52,11 @@ ONNX_PRIMITIVES: frozenset[str] = frozenset(_UNARY.keys() | _BINARY.keys() | _OT
 """Every primitive the exporter has a rule for (``jaxq.partition.backend_ops`` reads it)."""
 
 
+_SHAPE_OPS = (
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "convert_element_type",
+)  # fmt: skip
+
+
 def _pooled_axes(p: Any) -> list[int]:
     """The axes a ``reduce_window_max`` pools over (a window or stride other than 1)."""
     windows = zip(p["window_dimensions"], p["window_strides"], strict=True)
@@ -132,12 +137,30 @@ class _Uses:
     def __init__(self, eqns: Sequence[C.JaxprEqn] = (), outvars: Sequence[Any] = ()) -> None:
         self.producer = {v: e for e in eqns for v in e.outvars}
         self.count = C.use_counts(eqns, outvars)  # (an output counts: never fused away)
-        self.reader = {v: e for e in eqns for v in e.invars if not C.is_literal(v)}
+        self.readers: dict[Any, list[C.JaxprEqn]] = {}
+        for e in eqns:
+            for v in e.invars:
+                if not C.is_literal(v):
+                    self.readers.setdefault(v, []).append(e)
+        self.reader = {v: es[-1] for v, es in self.readers.items()}
 
     def made_by(self, v: Any, *names: str) -> C.JaxprEqn | None:
         """The equation that produced ``v``, if it is one of ``names``."""
         e = None if C.is_literal(v) else self.producer.get(v)
         return e if e is not None and e.primitive.name in names else None
+
+    def only_read_through(self, v: Any, ops: Sequence[str], last: Callable[..., bool]) -> bool:
+        """Whether every use of ``v`` reaches, through equations in ``ops``, an equation for
+        which ``last(eqn, value)`` holds (``v`` is not an output)."""
+        users = self.readers.get(v, [])
+        if not users or self.count.get(v) != sum(e.invars.count(v) for e in users):
+            return False
+        return all(
+            self.only_read_through(e.outvars[0], ops, last)
+            if e.primitive.name in ops
+            else last(e, v)
+            for e in users
+        )
 
     def sole_user(self, v: Any, *names: str) -> C.JaxprEqn | None:
         """The one equation reading ``v``, if only one does and it is one of ``names``."""
@@ -286,6 +309,16 @@ class _Exporter:
             if np.dtype(p["new_dtype"]) == np.int8 and np.issubdtype(src_dtype, np.floating):
                 self.float_codes[cast[0]] = (ins[0], src_dtype)
             return cast
+        if name == "reduce_max" and self.nan_row(e):
+            # max|x| * 0, realize's NaN row: ONNX Runtime's ReduceMax skips NaN, so it is written
+            # as |sum(x * 0)|, NaN exactly where the row holds NaN or Inf and +0 elsewhere
+            x = self.graph.producer[e.invars[0]].invars[0]
+            zero = self.const(0, shaped_aval(x).dtype)
+            axes = self.const(list(p["axes"]), np.int64)
+            total = self.node("ReduceSum", [self.node("Mul", [self.name_of(x), zero])[0], axes])
+            return self.node(
+                "Abs", self.node("Reshape", [total[0], self.const(out_aval.shape, np.int64)])
+            )
         if name in ("reduce_sum", "reduce_max", "reduce_min"):
             op = {"reduce_sum": "ReduceSum", "reduce_max": "ReduceMax", "reduce_min": "ReduceMin"}
             axes = self.const(list(p["axes"]), np.int64)
@@ -466,6 +499,16 @@ class _Exporter:
             if not np.array_equal(terms, c * cols):
                 raise _NoMatch("a zero-point term that is not the weights' column sums")
         return mul, chain, y, c
+
+    def nan_row(self, e: C.JaxprEqn) -> bool:
+        """Whether ``e`` is ``reduce_max(abs(x))`` whose value is only ever multiplied by 0."""
+        if self.graph.made_by(e.invars[0], "abs") is None:
+            return False
+        times_zero = lambda u, v: (
+            u.primitive.name == "mul"
+            and any(self.is_scalar(b, 0.0) for b in u.invars if b is not v)
+        )
+        return self.graph.only_read_through(e.outvars[0], _SHAPE_OPS, times_zero)
 
     def poison(self, a: Any) -> bool:
         """Whether ``a`` is realize's NaN row: ``r * 0`` or ``where(bad, nan, 0)``, so adding it
