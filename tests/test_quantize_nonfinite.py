@@ -110,6 +110,32 @@ def test_a_nonfinite_sample_of_a_convolution_is_nan_and_the_others_do_not_change
     np.testing.assert_array_equal(got[:2], want[:2])
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_nan_rows_false_drops_the_check_and_nothing_else(model):
+    f, params, x = (mlp, {"w1": W1, "w2": W2}, X) if model == "mlp" else (cnn, {"k": K}, IMG)
+    calib = [(x,), (x * 1.5,)]
+    fast = {
+        mode: Q(
+            f, params, calibration=calib, config=QConfig(nan_rows=False), mode=mode, progress=False
+        )
+        for mode in ("realize", "simulate")
+    }
+    for rows in (x, x[:1]):  # (one row: the f32-sum route)
+        for mode, qf in fast.items():  # finite rows: the same numbers as with the check
+            want = np.asarray(jax.jit(make("static", mode, model))(rows))
+            np.testing.assert_array_equal(np.asarray(jax.jit(qf)(rows)), want)
+    checked = make("static", "realize", model)
+    bad = x.copy()
+    bad[(0,) * x.ndim] = np.nan
+    assert np.isnan(np.asarray(jax.jit(checked)(bad))[0]).all()
+    if model == "mlp":  # (int8 codes of NaN are finite: so is the row now)
+        assert not np.isnan(np.asarray(jax.jit(fast["realize"])(bad))).any()
+    text = str(jax.make_jaxpr(fast["realize"].apply)(fast["realize"].params, x))
+    assert "is_finite" not in text and "reduce_max" not in text
+    with pytest.raises(TypeError, match="nan_rows must be True or False"):
+        QConfig(nan_rows=0)
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 4), st.floats(-50, 50, allow_nan=False, width=32), st.integers(0, 7))
 def test_per_token_rows_are_independent(row, value, col):

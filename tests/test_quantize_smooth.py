@@ -47,12 +47,38 @@ def test_smoothed_integer_code_is_exact():
     state = get_state(qf.program, "t")
     np.testing.assert_array_equal(state.act_absmax["L/dot_general"], np.abs(X).max(0))
     s = smoothing_factors(state.act_absmax["L/dot_general"], W, 0, alpha)
-    # the same eager division the program does, then the unsmoothed integer reference
-    xs = np.asarray(jnp.asarray(X) / jnp.asarray(s.reshape(1, -1)))
+    # the same product with 1 / s the program computes, then the unsmoothed integer reference
+    xs = np.asarray(jnp.asarray(X) * jnp.asarray((np.float32(1) / s).reshape(1, -1)))
     want = reference_dense(xs, state, "L/dot_general", W * s[:, None])
     np.testing.assert_array_equal(np.asarray(qf(X)), want)
     sim = Q(layer, calibration=CALIB, config=cfg, mode="simulate", progress=False)
     np.testing.assert_allclose(np.asarray(sim(X)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_layers_reading_one_activation_share_factors_from_their_joint_weight_range():
+    # q, k and v read one tensor: one set of factors (from max |W| over the three), so the
+    # smoothed activation and its codes are computed once for all of them
+    ws = [W, W * 3.0, (RNG.normal(size=(16, 4)) * 0.2).astype(np.float32)]
+
+    def qkv(x):
+        outs = []
+        for name, w in zip("qkv", ws, strict=True):
+            with jax.named_scope(name):
+                outs.append(x @ w)
+        with jax.named_scope("other"):
+            outs.append(jnp.tanh(x) @ W)
+        return outs
+
+    qf = Q(qkv, calibration=CALIB, config=QConfig(smoothing=0.5), progress=False)
+    smooth = get_state(qf.program, "t").smooth
+    joint = smoothing_factors(np.abs(X).max(0), np.concatenate(ws, axis=1), 0, 0.5)
+    for name in "qkv":
+        np.testing.assert_array_equal(smooth[f"{name}/dot_general"], joint)
+    own = smoothing_factors(np.abs(np.tanh(X)).max(0), W, 0, 0.5)
+    np.testing.assert_allclose(smooth["other/dot_general"], own, rtol=1e-6)
+    ref = [X @ w for w in ws]
+    for got, want in zip(qf(X)[:3], ref, strict=True):
+        assert np.abs(np.asarray(got) - want).max() <= 0.05 * np.abs(want).max()
 
 
 def test_smoothing_factors():

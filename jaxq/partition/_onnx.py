@@ -17,6 +17,7 @@ called through ``jax.pure_callback``, so a built program stays jittable. Needs t
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -176,7 +177,7 @@ class _Exporter:
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
         self.count = 0
-        self.small: dict[Any, str] = {}
+        self.consts: dict[Any, str] = {}
         self.values: dict[str, np.ndarray] = {}
         """The initializers' values by name (weight layouts are folded into new ones)."""
         self.float_codes: dict[str, tuple[str, Any]] = {}
@@ -203,12 +204,11 @@ class _Exporter:
 
     def const(self, value: Any, dtype: Any = None) -> str:
         arr = np.asarray(value, dtype=dtype)
-        key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 64 else None
-        if key in self.small:  # (one name per small constant: ONNX Runtime's CSE merges the
-            return self.small[key]  # q, k and v projections' identical quantize chains)
+        key = (arr.dtype.str, arr.shape, hashlib.blake2b(arr.tobytes()).digest())
+        if key in self.consts:  # (one name per constant value: ONNX Runtime's CSE merges the
+            return self.consts[key]  # q, k and v projections' identical quantize chains)
         name = self.fresh("c")
-        if key is not None:
-            self.small[key] = name
+        self.consts[key] = name
         self.inits.append(self.onnx.numpy_helper.from_array(arr, name))
         self.values[name] = arr
         return name
@@ -270,6 +270,9 @@ class _Exporter:
             return ins
         if name in _UNARY:
             return self.node(_UNARY[name], ins)
+        if name == "mul" and self.fuse and (gelu := self.gelu(e)) is not None:
+            self.contrib = True
+            return self.node(gelu[0], [self.name_of(gelu[1])], domain="com.microsoft")
         if name in _BINARY:
             return self.node(_BINARY[name], ins)
         if name == "rsqrt":
@@ -309,13 +312,14 @@ class _Exporter:
             if np.dtype(p["new_dtype"]) == np.int8 and np.issubdtype(src_dtype, np.floating):
                 self.float_codes[cast[0]] = (ins[0], src_dtype)
             return cast
-        if name == "reduce_max" and self.nan_row(e):
+        absolute = self.graph.made_by(e.invars[0], "abs") if name == "reduce_max" else None
+        if absolute is not None and self.nan_row(e):
             # max|x| * 0, realize's NaN row: ONNX Runtime's ReduceMax skips NaN, so it is written
             # as |sum(x * 0)|, NaN exactly where the row holds NaN or Inf and +0 elsewhere
-            x = self.graph.producer[e.invars[0]].invars[0]
-            zero = self.const(0, shaped_aval(x).dtype)
+            src = absolute.invars[0]
+            zero = self.const(0, shaped_aval(src).dtype)
             axes = self.const(list(p["axes"]), np.int64)
-            total = self.node("ReduceSum", [self.node("Mul", [self.name_of(x), zero])[0], axes])
+            total = self.node("ReduceSum", [self.node("Mul", [self.name_of(src), zero])[0], axes])
             return self.node(
                 "Abs", self.node("Reshape", [total[0], self.const(out_aval.shape, np.int64)])
             )
@@ -500,10 +504,43 @@ class _Exporter:
                 raise _NoMatch("a zero-point term that is not the weights' column sums")
         return mul, chain, y, c
 
+    def gelu(self, e: C.JaxprEqn) -> tuple[str, Any] | None:
+        """``jax.nn.gelu``'s product, as ONNX Runtime's fused kernel and its input: ``Gelu``
+        for ``0.5 x * erfc(-x / sqrt 2)``, ``FastGelu`` for ``x * 0.5 (1 + tanh(sqrt(2 / pi)
+        (x + 0.044715 x^3)))``; else None."""
+        g = self.graph
+
+        def scaled(v: Any, c: float) -> Any:  # x where v is x * c (or c * x), else None
+            m = None if v is None else g.made_by(v, "mul")
+            if m is None:
+                return None
+            a, b = m.invars
+            want = float(np.float32(c))
+            return b if self.is_scalar(a, want) else a if self.is_scalar(b, want) else None
+
+        def made(v: Any, name: str) -> C.JaxprEqn | None:
+            return None if v is None else g.made_by(v, name)
+
+        for x, other in (e.invars, e.invars[::-1]):
+            erfc = made(other, "erfc")
+            neg = made(scaled(erfc.invars[0], 0.7071067690849304), "neg") if erfc else None
+            if neg is not None and neg.invars[0] is scaled(x, 0.5):
+                return "Gelu", neg.invars[0]
+            one_plus = made(scaled(other, 0.5), "add")  # 1 + tanh(...)
+            if one_plus is None or not any(self.is_scalar(a, 1.0) for a in one_plus.invars):
+                continue
+            tanh = next((made(a, "tanh") for a in one_plus.invars if not C.is_literal(a)), None)
+            inner = made(scaled(tanh.invars[0], 0.7978845834732056), "add") if tanh else None
+            if inner is None or x not in inner.invars:
+                continue
+            rest = [a for a in inner.invars if a is not x]
+            cube = made(scaled(rest[0], 0.044714998453855515), "integer_pow") if rest else None
+            if cube is not None and cube.params["y"] == 3 and cube.invars[0] is x:
+                return "FastGelu", x
+        return None
+
     def nan_row(self, e: C.JaxprEqn) -> bool:
-        """Whether ``e`` is ``reduce_max(abs(x))`` whose value is only ever multiplied by 0."""
-        if self.graph.made_by(e.invars[0], "abs") is None:
-            return False
+        """Whether the value of ``e`` (a ``max |x|``) is only ever multiplied by 0."""
         times_zero = lambda u, v: (
             u.primitive.name == "mul"
             and any(self.is_scalar(b, 0.0) for b in u.invars if b is not v)

@@ -351,6 +351,26 @@ def _uncalibrated_to_dynamic(state: QState, keys: list[tuple[str, Site]]) -> QSt
     return state.replace(leaves=leaves, calibration={**state.calibration, "unreached": missing})
 
 
+def _joint_factors(
+    absmax: dict[str, np.ndarray], ranges: dict[str, Any], alpha: float
+) -> dict[str, np.ndarray]:
+    """SmoothQuant's factors per layer, one set for the layers that read one activation (q, k
+    and v): taken from the weights' joint range, so the activation is divided and quantized once
+    for all of them. Those layers are found by their inputs' per-channel ranges being equal on
+    every batch; (if two inputs merely had equal ranges, sharing still keeps each product
+    exact.)"""
+    groups: dict[tuple[Any, ...], list[str]] = collections.defaultdict(list)
+    for name, a in absmax.items():
+        a = np.asarray(a)
+        groups[(a.dtype.str, a.shape, a.tobytes())].append(name)
+    out = {}
+    for names in groups.values():
+        w = np.max([np.asarray(ranges[n + ":wabsmax"]) for n in names], axis=0)
+        s = factors(absmax[names[0]], w, alpha)
+        out.update({n: s for n in names})
+    return out
+
+
 def _shared_leaves(state: QState, smooth: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Smoothing factors with every layer of a shared param leaf using those of the layer the
     leaf is quantized for: one set of codes holds ``s W``, so every layer reading it divides its
@@ -434,10 +454,7 @@ def calibrate_program(
             absmax = {
                 k.removesuffix(":absmax"): v for k, v in ranges.items() if k.endswith(":absmax")
             }
-            smooth = {
-                name: factors(a, ranges[name + ":wabsmax"], config.smoothing)
-                for name, a in absmax.items()
-            }
+            smooth = _joint_factors(absmax, ranges, config.smoothing)
         else:
             _, arrays, _ = observe(
                 state, data, keys=[], histogram=False, gptq=False, absmax=False, awq=True

@@ -170,7 +170,14 @@ def _quantize_act(
 
 
 def _int_dot(
-    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
+    visit: Visit,
+    site: Site,
+    qw: QWeight,
+    a: jax.Array,
+    sa: Any,
+    za: Any,
+    exact_f32: bool,
+    nan_rows: bool,
 ) -> tuple[jax.Array, Any, bool]:
     """Accumulator of ``sum((qa - za)(qw - zw))`` (int32, or exact integers in f32 for one row),
     the float scale of each output, and whether rows holding NaN or Inf already come out NaN
@@ -194,7 +201,7 @@ def _int_dot(
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
         if not (scheme.symmetric and scheme.signed):
             qa = qa - (za_s.astype(np.float32) if _host(za_s) else za_s.astype(jnp.float32))
-        native = not isinstance(a, QTensor)
+        native = nan_rows and not isinstance(a, QTensor)
         if native:  # a NaN code makes its whole row of sums NaN (no reduction, fused)
             qa = jnp.where(jnp.isfinite(a), qa, jnp.float32(jnp.nan))
         ops = (qa, wq.astype(jnp.float32)) if wi == 1 else (wq.astype(jnp.float32), qa)
@@ -561,15 +568,17 @@ def realize_handler(state: QState) -> SiteHandler:
         bound = max(_check_overflow(site, qw, scheme, z) for z in zps or {None})
         if site.weights.granularity == "group":
             y = _int_dot_grouped(visit, site, qw, a, sa, za)
-            bad = nonfinite_rows(visit, site, a)
+            bad = nonfinite_rows(visit, site, a) if config.nan_rows else None
             return poison_rows(y, bad).astype(out_dtype)
         if site.primitive == "dot_general":
-            acc, scale, nan_rows = _int_dot(visit, site, qw, a, sa, za, bound < 2**24)
+            acc, scale, nan_rows = _int_dot(
+                visit, site, qw, a, sa, za, bound < 2**24, config.nan_rows
+            )
         else:
             (acc, scale), nan_rows = _int_conv(visit, site, qw, a, sa, za, bound < 2**24), False
         # (fixed-point requantization goes through int32, which drops a NaN the sums carry)
         native = nan_rows and config.requantize == "float"
-        bad = None if native else nonfinite_rows(visit, site, a)
+        bad = None if native or not config.nan_rows else nonfinite_rows(visit, site, a)
         out = state.act.get(site.name + ":out")
         if config.requantize == "fixed_point":
             if out is None:
