@@ -131,7 +131,7 @@ def run_onnx_ops(f, *args):
     st.integers(-8, 3),  # scale: exponent
     st.integers(-20, 20),  # zero point
     st.sampled_from([np.int8, np.uint8]),
-    st.sampled_from(["clamp", "min_max", "max_min"]),
+    st.sampled_from(["clamp", "min_max", "max_min", "clip"]),
     st.booleans(),  # through int32 (realize's route for some backends)
     st.integers(0, 2**16),
 )
@@ -152,7 +152,8 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
         r = lax.round(x / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
         lo, hi = np.float32(info.min), np.float32(info.max)
         r = {"clamp": lambda: lax.clamp(lo, r, hi), "min_max": lambda: lax.min(lax.max(r, lo), hi),
-             "max_min": lambda: lax.max(lax.min(r, hi), lo)}[clamp]()  # fmt: skip
+             "max_min": lambda: lax.max(lax.min(r, hi), lo),
+             "clip": lambda: jnp.clip(r, int(lo), int(hi))}[clamp]()  # fmt: skip
         return (r.astype(jnp.int32) if wide else r).astype(dtype)
 
     s = scale

@@ -769,3 +769,27 @@ def test_s8_convolution_with_zero_point_borders(pad, wasym):
         r, s = both(f, [(x,)], cfg)
     np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), atol=1e-5 * np.abs(f(x)).max())
     assert "preferred_element_type=int32" in str(r.program)
+
+
+def test_an_s8_convolution_after_a_requantize_keeps_int8_operands_when_compiled():
+    # realize's codes clamp through jnp.clip: with inline literal bounds XLA:CPU proved the
+    # codes' range and compiled the next convolution as s32 x s32, off its int8 kernel (10x
+    # slower: bench_quantize's CNN, weights closed over)
+    rng = np.random.default_rng(8)
+    k0 = (rng.normal(size=(3, 3, 1, 32)) * 0.5).astype(np.float32)
+    b0 = (rng.normal(size=(32,)) * 0.1).astype(np.float32)
+    k1 = (rng.normal(size=(3, 3, 32, 64)) * 0.1).astype(np.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def f(x):
+        with jax.named_scope("C0"):
+            y = lax.conv_general_dilated(x, k0, (1, 1), "SAME", dimension_numbers=dn)
+            x = jax.nn.relu(y + b0)
+        with jax.named_scope("C1"):
+            return lax.conv_general_dilated(x, k1, (1, 1), "SAME", dimension_numbers=dn)
+
+    x = rng.random((64, 8, 8, 1)).astype(np.float32)
+    qf = Q(f, calibration=[(x,)], progress=False)
+    assert "preferred_element_type=int32" in str(qf.program)
+    hlo = jax.jit(qf).lower(x).compile().as_text()
+    assert "s8[3,3,32,64]" in hlo and "s32[3,3,32,64]" not in hlo  # (the weights stay int8)

@@ -393,13 +393,17 @@ class _Exporter:
         return v is not None and v.size == 1 and float(v.reshape(())) == want
 
     def clamped(self, v: Any, lo: float, hi: float) -> Any:
-        """``x`` where ``v`` is ``x`` clamped to ``[lo, hi]`` (``lax.clamp``, or ``min`` and
-        ``max`` in either order), else None."""
+        """``x`` where ``v`` is ``x`` clamped to ``[lo, hi]`` (``lax.clamp``, ``jnp.clip``, or
+        ``min`` and ``max`` in either order), else None."""
         g = self.graph
         e = g.made_by(v, "clamp")
         if e is not None:
             ok = self.is_scalar(e.invars[0], lo) and self.is_scalar(e.invars[2], hi)
             return e.invars[1] if ok else None
+        e = g.made_by(v, "jit", "pjit")
+        if e is not None and C.call_name(e) == "clip" and len(e.invars) == 3:
+            ok = self.is_scalar(e.invars[1], lo) and self.is_scalar(e.invars[2], hi)
+            return e.invars[0] if ok else None
         for outer, inner, first, second in (("min", "max", hi, lo), ("max", "min", lo, hi)):
             e = g.made_by(v, outer)
             if e is None:
