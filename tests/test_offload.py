@@ -172,26 +172,29 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     st.booleans(),  # scales per column (else one)
     st.sampled_from(["none", "nan_row", "nan_row_bias", "bias"]),
     st.booleans(),  # a zero-point term that is not c * column sums: not fused
+    st.booleans(),  # a leading axis ([2, rows, k] x [k, n], as a dense layer on tokens)
     st.integers(0, 2**16),
 )
 def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
-    m, k, n, a_dtype, c, per_column, tail, wrong, seed
+    m, k, n, a_dtype, c, per_column, tail, wrong, lead, seed
 ):
     rng = np.random.default_rng(seed)
-    x, w = codes(rng, (m, k), a_dtype), codes(rng, (k, n))
-    x[0, 0] = np.iinfo(a_dtype).max  # (extremes)
+    rows = (2, m) if lead else (m,)
+    x, w = codes(rng, (*rows, k), a_dtype), codes(rng, (k, n))
+    x.reshape(-1, k)[0, 0] = np.iinfo(a_dtype).max  # (extremes)
     cols = w.astype(np.int32).sum(0, keepdims=True)
     term = (c * cols + (1 if wrong else 0)).astype(np.int32)
     scales = rng.uniform(1e-4, 1e-1, size=(1, n) if per_column else ()).astype(np.float32)
     bias = rng.normal(size=n).astype(np.float32)
-    xf = rng.normal(size=(m, 3)).astype(np.float32)
-    xf[-1, 0] = np.nan  # (a NaN row: the poison must still reach its output row)
+    xf = rng.normal(size=(*rows, 3)).astype(np.float32)
+    xf[..., -1, 0] = np.nan  # (a NaN row: the poison must still reach its output row)
 
     def f(x, xf):
-        acc = lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        dn = (((x.ndim - 1,), (0,)), ((), ()))
+        acc = lax.dot_general(x, w, dn, preferred_element_type=jnp.int32)
         y = (acc - term).astype(jnp.float32) * scales
         if tail.startswith("nan_row"):
-            y = y + jnp.max(jnp.abs(xf), axis=1, keepdims=True) * np.float32(0)
+            y = y + jnp.max(jnp.abs(xf), axis=-1, keepdims=True) * np.float32(0)
         return y + bias if tail.endswith("bias") else y
 
     (got,), ops = run_onnx_ops(f, x, xf)

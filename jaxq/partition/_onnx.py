@@ -258,7 +258,17 @@ class _Exporter:
         if C.is_literal(a):
             return np.asarray(a.val, a.aval.dtype)
         name = self.env.get(a)
-        return None if name is None else self.values.get(name)
+        if name is not None and name in self.values:
+            return self.values[name]
+        e = self.graph.made_by(a, "broadcast_in_dim")  # (a constant broadcast to a rank)
+        v = None if e is None else self.value(e.invars[0])
+        if e is None or v is None:
+            return None
+        shape, dims = e.params["shape"], e.params["broadcast_dimensions"]
+        expanded = [1] * len(shape)
+        for i, d in enumerate(dims):
+            expanded[d] = v.shape[i]
+        return np.broadcast_to(v.reshape(expanded), shape)
 
     def eqn(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         name, p = e.primitive.name, e.params
@@ -737,7 +747,10 @@ class _Exporter:
         lead = [b] if bx else []
         integer = np.dtype(xa.dtype) in _INT8
         x, zp = self.shifted_u8(ins[0], xa.dtype) if integer else (ins[0], None)
-        x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
+        # ([..., k] x [k, n], as a dense layer reads its input: MatMul broadcasts, no reshapes)
+        flat = not bx and tuple(cx) == (xa.ndim - 1,) and len(fy) == 1 and xa.ndim > 2
+        if not flat:
+            x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
         y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
         if integer and self.fuse:
             try:
@@ -759,7 +772,9 @@ class _Exporter:
                     fused = self.node("MatMulIntegerToFloat", ins_, domain="com.microsoft")
                     self.contrib = True
                     shape = list(shaped_aval(mul.outvars[0]).shape)
-                    out = self.node("Reshape", [fused[0], self.const(shape, np.int64)])
+                    out = fused
+                    if not flat or shape != [*xa.shape[:-1], n]:
+                        out = self.node("Reshape", [fused[0], self.const(shape, np.int64)])
                     self.done.update({id(q): None for q in chain})
                     self.done[id(last)] = (out[0], poison)
                     return fused  # (the dot's own int32 result is never read)
@@ -769,7 +784,8 @@ class _Exporter:
         else:
             out = self.node("MatMul", [x, y])
         out_aval = shaped_aval(e.outvars[0])
-        out = self.node("Reshape", [out[0], self.const(list(out_aval.shape), np.int64)])
+        if not flat:
+            out = self.node("Reshape", [out[0], self.const(list(out_aval.shape), np.int64)])
         computed = np.dtype(np.int32) if integer else np.dtype(xa.dtype)
         if np.dtype(out_aval.dtype) != computed:
             out = self.node("Cast", out, to=self.helper.np_dtype_to_tensor_dtype(out_aval.dtype))
