@@ -8,6 +8,7 @@ Variants, all timed round by round on the same inputs (paired speed-ups over flo
 * jaxq W8A8 offloaded: the same function with its integer code in ONNX Runtime (``jaxq.offload``);
 * jaxq W8A8+SQ, on XLA and offloaded: the same with SmoothQuant (``QConfig(smoothing=alpha)``);
   "finite": also with ``nan_rows=False`` (no per-row NaN / Inf check, as in ONNX Runtime's own);
+* jaxq W8A8 mse finite: static activations with MSE-calibrated ranges, ``nan_rows=False``;
 * ORT quantize_dynamic: ONNX Runtime's own int8 tool (``quantize_dynamic(per_channel=True)``,
   dynamic per-row activations) applied to jaxq's float export, built as a custom codegen of
   ``jaxq.build``: the BYOC path with someone else's quantizer.
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     qs = jaxq.quantize(f, calibration=calib, config=smooth, progress=False)
     fin = dataclasses.replace(smooth, nan_rows=False)
     qsf = jaxq.quantize(f, calibration=calib, config=fin, progress=False)
+    mse = jaxq.QConfig(calibration="mse", nan_rows=False)
+    qmf = jaxq.quantize(f, calibration=calib, config=mse, progress=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxq.OffloadWarning)  # (the gather stays with XLA)
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "jaxq W8A8+SQ XLA": jax.jit(qs),
                 "jaxq W8A8+SQ -> ORT": jax.jit(jaxq.offload(qs, "onnxruntime")),
                 "jaxq W8A8+SQ finite -> ORT": jax.jit(jaxq.offload(qsf, "onnxruntime")),
+                "jaxq W8A8 mse finite -> ORT": jax.jit(jaxq.offload(qmf, "onnxruntime")),
                 "ORT quantize_dynamic": jax.jit(
                     jaxq.build(parts, backends={"ort_float": ort_dynamic_codegen(Path(tmp))})
                 ),

@@ -247,7 +247,9 @@ class QConfig:
       gptq_damp: for ``"gptq"``, the share of the mean diagonal added to ``X^T X``.
       smoothing: SmoothQuant's migration strength ``alpha`` in [0, 1], or None (off): matmuls
         with one contracted axis quantize ``X / s`` and ``s W`` with per-input-channel
-        ``s = max|X|^alpha / max|W|^(1 - alpha)`` from the calibration data (a second pass).
+        ``s = max|X|^alpha / max|W|^(1 - alpha)`` from the calibration data (a second pass);
+        layers that read one activation (q, k and v) share ``s``, from their weights' joint
+        ``max|W|``, so the activation is scaled and quantized once for all of them.
       kv_cache: store a decode loop's KV cache in int8: in a ``lax.scan`` that params enter, a
         carry the body updates with ``lax.dynamic_update_slice`` (the cache written at each step;
         or a stacked cache a layer scan takes as xs and writes back as ys) is carried as int8
