@@ -355,7 +355,7 @@ def _joint_factors(
     absmax: dict[str, np.ndarray], ranges: dict[str, Any], alpha: float
 ) -> dict[str, np.ndarray]:
     """SmoothQuant's factors per layer, one set for the layers that read one activation (q, k
-    and v): taken from the weights' joint range, so the activation is divided and quantized once
+    and v): taken from the weights' joint range, so the activation is scaled and quantized once
     for all of them. Those layers are found by their inputs' per-channel ranges being equal on
     every batch; (if two inputs merely had equal ranges, sharing still keeps each product
     exact.)"""
