@@ -170,3 +170,24 @@ def test_check_saturation_warns_past_the_threshold():
     assert all(v == 0.0 for v in qf.check_saturation(X).values())  # calibrated range: silent
     with pytest.warns(UserWarning, match=r"Dense_0/dot_general \d+\.\d%.*outside the calibrated"):
         qf.check_saturation(X * 10, threshold=0.05)
+
+
+@pytest.mark.parametrize("mode", ["realize", "simulate"])
+@pytest.mark.parametrize("model", ["dense", "conv"])
+def test_a_nan_in_a_wide_row_is_nan_too(mode, model):
+    # XLA:CPU's max of a row about 1000 wide or more drops NaN: the row check is a sum
+    rng = np.random.default_rng(2)
+    if model == "dense":
+        x, w = rng.normal(size=(4, 1100)), rng.normal(size=(1100, 6)) * 0.03
+        f = lambda p, x: x @ p
+    else:  # (12 * 12 * 8 = 1152 values per sample)
+        x, w = rng.normal(size=(3, 12, 12, 8)), rng.normal(size=(3, 3, 8, 6)) * 0.1
+        dn = ("NHWC", "HWIO", "NHWC")
+        f = lambda p, x: lax.conv_general_dilated(x, p, (1, 1), "SAME", dimension_numbers=dn)
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    qf = Q(f, w, calibration=[(x,)], mode=mode, progress=False)
+    bad = x.copy()
+    bad.reshape(len(x), -1)[1, 500] = np.nan  # (a NaN and no Inf: what max dropped)
+    got = np.asarray(jax.jit(qf)(bad))
+    assert np.isnan(got[1]).all()
+    assert np.isfinite(np.delete(got, 1, axis=0)).all()
