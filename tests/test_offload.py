@@ -113,7 +113,8 @@ def test_nan_rows_come_out_nan_in_onnx_runtime_and_zero_elsewhere(idiom, width, 
     # realize's NaN row sum(x * 0) (max|x| * 0 in older programs: ONNX Runtime's ReduceMax skips
     # NaN) is written as |sum(x * 0)|, or x @ zeros for a wide row: NaN exactly where the row
     # holds NaN or Inf, +0 elsewhere, all-negative rows too
-    x = -np.abs(RNG.normal(size=(6, width))).astype(np.float32)
+    rows = 240 if width > 1000 else 6  # (x @ zeros for a wide row in a large tensor)
+    x = -np.abs(RNG.normal(size=(rows, width))).astype(np.float32)
     x[1, 7], x[2, 3], x[3, width - 1] = np.nan, np.inf, -np.inf
     x[4, :] = np.nan
     row = {
@@ -121,11 +122,12 @@ def test_nan_rows_come_out_nan_in_onnx_runtime_and_zero_elsewhere(idiom, width, 
         "max": lambda x: jnp.max(jnp.abs(x), axis=1, keepdims=True) * np.float32(0),
     }[idiom]
     f = lambda x, y: y + row(x)
-    y = np.full((6, 3), -0.0, np.float32)
+    y = np.full((rows, 3), -0.0, np.float32)
     (got,), ops = run_onnx_ops(f, x, y)
     assert check in ops and "ReduceMax" not in ops
-    assert np.isnan(got[1:5]).all() and not np.isnan(got[[0, 5]]).any()
-    np.testing.assert_array_equal(np.signbit(got[[0, 5]]), False)  # (-0 + +0 is +0)
+    fine = np.delete(got, [1, 2, 3, 4], axis=0)
+    assert np.isnan(got[1:5]).all() and not np.isnan(fine).any()
+    np.testing.assert_array_equal(np.signbit(fine), False)  # (-0 + +0 is +0)
     if idiom == "sum":  # (XLA:CPU's max of a row this wide drops NaN itself)
         np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, y)))
 
