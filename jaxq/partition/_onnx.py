@@ -10,8 +10,11 @@ point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ON
 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused kernels where they
 compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with its zero-point
 term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term
-checked on the weights' values), ``any(not finite(x))`` as ``isnan(sum(x * 0))``. The session is
-called through ``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime`` (``pip install jaxq[onnx]``).
+checked on the weights' values), ``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, and a row's NaN
+check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps NaN where
+ONNX Runtime's ``ReduceMax`` drops it. The session is called through ``jax.pure_callback``, so a
+built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime``
+(``pip install jaxq[onnx]``).
 """
 
 from __future__ import annotations
@@ -337,7 +340,7 @@ class _Exporter:
         if times_zero is not None and any(self.is_scalar(a, 0.0) for a in times_zero.invars):
             row = next((a for a in times_zero.invars if not self.is_scalar(a, 0.0)), None)
             if row is not None and shaped_aval(row).shape == shaped_aval(e.invars[0]).shape:
-                return [self.zero_sum(row, p["axes"], out_aval.shape)]  # (realize's NaN row)
+                return [self.zero_sum(row, p["axes"], out_aval.shape)]  # (a NaN check as a sum)
         if name in ("reduce_sum", "reduce_max", "reduce_min"):
             op = {"reduce_sum": "ReduceSum", "reduce_max": "ReduceMax", "reduce_min": "ReduceMin"}
             axes = self.const(list(p["axes"]), np.int64)
@@ -372,11 +375,7 @@ class _Exporter:
             neg = self.graph.made_by(e.invars[0], "not")
             fin = self.graph.made_by(neg.invars[0], "is_finite") if neg is not None else None
             if fin is not None:  # any(not finite(x)) as isnan(sum(x * 0)): two passes, not four
-                x = self.name_of(fin.invars[0])
-                zero = self.const(0, shaped_aval(fin.invars[0]).dtype)
-                axes = self.const(list(p["axes"]), np.int64)
-                total = self.node("ReduceSum", [self.node("Mul", [x, zero])[0], axes], keepdims=0)
-                return self.node("IsNaN", total)
+                return self.node("IsNaN", [self.zero_sum(fin.invars[0], p["axes"], out_aval.shape)])
         if name in ("reduce_or", "reduce_and"):  # as a max / min over 0 / 1 bytes
             u8 = self.node("Cast", ins, to=self.onnx.TensorProto.UINT8)
             axes = self.const(list(p["axes"]), np.int64)
@@ -530,30 +529,27 @@ class _Exporter:
         g = self.graph
 
         def scaled(v: Any, c: float) -> Any:  # x where v is x * c (or c * x), else None
-            m = None if v is None else g.made_by(v, "mul")
+            m = g.made_by(v, "mul")  # (None for v None, as for a value no equation made)
             if m is None:
                 return None
             a, b = m.invars
             want = float(np.float32(c))
             return b if self.is_scalar(a, want) else a if self.is_scalar(b, want) else None
 
-        def made(v: Any, name: str) -> C.JaxprEqn | None:
-            return None if v is None else g.made_by(v, name)
-
         for x, other in (e.invars, e.invars[::-1]):
-            erfc = made(other, "erfc")
-            neg = made(scaled(erfc.invars[0], 0.7071067690849304), "neg") if erfc else None
+            erfc = g.made_by(other, "erfc")
+            neg = g.made_by(scaled(erfc.invars[0], 0.7071067690849304), "neg") if erfc else None
             if neg is not None and neg.invars[0] is scaled(x, 0.5):
                 return "Gelu", neg.invars[0]
-            one_plus = made(scaled(other, 0.5), "add")  # 1 + tanh(...)
+            one_plus = g.made_by(scaled(other, 0.5), "add")  # 1 + tanh(...)
             if one_plus is None or not any(self.is_scalar(a, 1.0) for a in one_plus.invars):
                 continue
-            tanh = next((made(a, "tanh") for a in one_plus.invars if not C.is_literal(a)), None)
-            inner = made(scaled(tanh.invars[0], 0.7978845834732056), "add") if tanh else None
+            tanh = next(filter(None, (g.made_by(a, "tanh") for a in one_plus.invars)), None)
+            inner = g.made_by(scaled(tanh.invars[0], 0.7978845834732056), "add") if tanh else None
             if inner is None or x not in inner.invars:
                 continue
             rest = [a for a in inner.invars if a is not x]
-            cube = made(scaled(rest[0], 0.044714998453855515), "integer_pow") if rest else None
+            cube = g.made_by(scaled(rest[0], 0.044714998453855515), "integer_pow") if rest else None
             if cube is not None and cube.params["y"] == 3 and cube.invars[0] is x:
                 return "FastGelu", x
         return None
