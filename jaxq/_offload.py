@@ -16,6 +16,7 @@ once, with a warning.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ from jaxq.partition import (
     regions,
     register_op_support,
 )
-from jaxq.partition._onnx import unsupported_onnx_equation
+from jaxq.partition._onnx import onnx_codegen, unsupported_onnx_equation
 from jaxq.quantize import QuantizedFunction, Tuning
 from jaxq.quantize._api import _spec as arg_spec
 from jaxq.transform import PassContext, Sequential, fold_constants
@@ -79,8 +80,8 @@ class OffloadedFunction:
     the partitioned Program.
     """
 
-    def __init__(self, qf: QuantizedFunction, backend: str) -> None:
-        self.qf, self.backend = qf, backend
+    def __init__(self, qf: QuantizedFunction, backend: str, exact: bool = False) -> None:
+        self.qf, self.backend, self.exact = qf, backend, exact
         self._built: dict[Any, tuple[Program, Callable[..., Any]]] = {}
 
     def _get(self, args: tuple[Any, ...]) -> tuple[Program, Callable[..., Any]]:
@@ -111,7 +112,9 @@ class OffloadedFunction:
                     OffloadWarning,
                     stacklevel=3,
                 )
-            hit = self._built[key] = (parts, build(parts, backends={self.backend: self.backend}))
+            codegen = functools.partial(onnx_codegen, exact=self.exact)
+            codegen.__name__ = self.backend  # type: ignore[attr-defined]  # (build's messages)
+            hit = self._built[key] = (parts, build(parts, backends={self.backend: codegen}))
         return hit
 
     def __call__(self, *args: Any) -> Any:
@@ -143,7 +146,9 @@ def _left_behind(parts: Program) -> dict[str, int]:
     return out
 
 
-def offload(qf: QuantizedFunction, backend: str = "onnxruntime") -> OffloadedFunction:
+def offload(
+    qf: QuantizedFunction, backend: str = "onnxruntime", *, exact: bool = False
+) -> OffloadedFunction:
     """``qf``'s integer code run by an external runtime, through jaxq's own partitioner.
 
     Example::
@@ -164,6 +169,11 @@ def offload(qf: QuantizedFunction, backend: str = "onnxruntime") -> OffloadedFun
       backend: ``"onnxruntime"``, the backend whose integer kernels jaxq checks against XLA
         bit for bit (the host backend's float division rounds apart from XLA's, so quantized
         codes would differ).
+      exact: keep every integer equal to ``qf``'s. By default a convolution whose int32 sums
+        realize only requantizes to the next layer's codes (conv -> bias -> ReLU -> conv) runs
+        as one ``QLinearConv``, which rounds that requantize in float: each such code is ``qf``'s
+        or one step from it (ONNX Runtime's own static quantization rounds the same way).
+        ``exact=True`` keeps realize's float rescale and rounding there (slower).
     """
     if not isinstance(qf, QuantizedFunction):
         raise TypeError(
@@ -185,4 +195,4 @@ def offload(qf: QuantizedFunction, backend: str = "onnxruntime") -> OffloadedFun
                 "pip install 'jaxq[onnx]'"
             ) from e
     _register(backend)
-    return OffloadedFunction(qf, backend)
+    return OffloadedFunction(qf, backend, exact)

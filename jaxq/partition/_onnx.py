@@ -62,9 +62,10 @@ _NAN_ROW_MATMUL_MIN = (1024, 2**18)
 512 x 1536, 63 against 57 us on 512 x 384; on 32 x 1536, a MiniLM token batch of one, the
 region was 0.1 ms slower with it)."""
 
-_SHAPE_OPS = (
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "convert_element_type",
-)  # fmt: skip
+_RESHAPES = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+_SHAPE_OPS = (*_RESHAPES, "transpose", "convert_element_type")
+_SHIFT_COMMUTING = (*_RESHAPES, "transpose", "slice", "concatenate", "copy", "copy_p")
+"""Ops whose uint8 twin (``x + 128``) is the same op on the twins."""
 
 
 def _pooled_axes(p: Any) -> list[int]:
@@ -179,10 +180,12 @@ class _Uses:
 
 
 class _Exporter:
-    def __init__(self, onnx: Any, fuse: bool = True) -> None:
+    def __init__(self, onnx: Any, fuse: bool = True, exact: bool = False) -> None:
         self.onnx, self.helper = onnx, onnx.helper
         self.fuse = fuse
         """Whether ONNX Runtime's fused ``com.microsoft`` kernels may be written."""
+        self.exact = exact
+        """Whether every integer must equal realize's (no ``QLinearConv``: see requantized_conv)."""
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
         self.count = 0
@@ -206,6 +209,12 @@ class _Exporter:
         add to it where the equation stands (None: a value only the fused node read)."""
         self.contrib = False
         """Whether a node of ONNX Runtime's ``com.microsoft`` domain was written."""
+        self.u8: dict[str, str] = {}
+        """int8 values also written as uint8 ``value + 128`` (a ``QLinearConv``'s output, and
+        what pads, ReLUs, pooling and reshapes make of it): that uint8 value (see shifted_u8)."""
+        self.finite_like: dict[Any, Any] = {}
+        """Float values a fused requantize left unwritten, read only by ``is_finite``: the NaN row
+        whose finiteness their elements share (None: finite everywhere, bounded on the weights)."""
 
     def fresh(self, hint: str = "v") -> str:
         self.count += 1
@@ -258,6 +267,7 @@ class _Exporter:
             ins = [read(a) for a in e.invars]
             outs = self.eqn(e, ins)
             env.update(zip(e.outvars, outs, strict=True))
+            self.shadow(e, ins, outs)
         outs = [read(a) for a in jaxpr.outvars]
         self.graph, self.env = outer
         return outs
@@ -360,6 +370,11 @@ class _Exporter:
             return self.node("Sub", [one, self.node("Erf", ins)[0]])
         if name == "ne":
             return self.node("Not", self.node("Equal", ins))
+        if name == "is_finite" and e.invars[0] in self.finite_like:
+            bad = self.expand(self.nonfinite(e.invars[0]), out_aval.shape)
+            finite = self.node("Not", [bad])
+            self.negations[finite[0]] = bad
+            return finite
         if name == "is_finite":  # (x - x is NaN exactly where x is NaN or infinite)
             bad = self.node("IsNaN", self.node("Sub", [ins[0], ins[0]]))
             finite = self.node("Not", bad)
@@ -374,6 +389,8 @@ class _Exporter:
         if name == "reduce_or" and self.fuse:
             neg = self.graph.made_by(e.invars[0], "not")
             fin = self.graph.made_by(neg.invars[0], "is_finite") if neg is not None else None
+            if fin is not None and fin.invars[0] in self.finite_like:
+                return [self.expand(self.nonfinite(fin.invars[0], p["axes"]), out_aval.shape)]
             if fin is not None:  # any(not finite(x)) as isnan(sum(x * 0)): two passes, not four
                 return self.node("IsNaN", [self.zero_sum(fin.invars[0], p["axes"], out_aval.shape)])
         if name in ("reduce_or", "reduce_and"):  # as a max / min over 0 / 1 bytes
@@ -431,13 +448,10 @@ class _Exporter:
                         return f.invars[j]
         return None
 
-    def quantize_linear(self, e: C.JaxprEqn) -> str | None:
-        """Realize's quantize, ``clamp(round(x / s) + zp, lo, hi)`` cast to 8 bits (through
-        int32 or not), as one ``QuantizeLinear``, which computes ``clamp(round(x / s), lo - zp,
-        hi - zp) + zp``: the same integers for an integer zp (NaN inputs give other codes, which
-        realize's NaN rows override). Codes of int8 are recorded so that a dot's uint8 operand is
-        the same node with its zero point moved by 128 (see shifted_u8). None: not that
-        pattern."""
+    def quantize_form(self, e: C.JaxprEqn) -> tuple[Any, Any, Any] | None:
+        """For realize's quantize, ``clamp(round(x / s) + zp, lo, hi)`` cast to 8 bits (through
+        int32 or not, clamped to the full range): ``x``, ``s`` and ``zp`` (None: no zero point).
+        None: not that pattern."""
         to = np.dtype(e.params["new_dtype"])
         g = self.graph
         v = e.invars[0]
@@ -460,6 +474,19 @@ class _Exporter:
         scalars = [a for a in (scale, zp) if a is not None]
         if any(shaped_aval(a).shape != () or shaped_aval(a).dtype != np.float32 for a in scalars):
             return None
+        return x, scale, zp
+
+    def quantize_linear(self, e: C.JaxprEqn) -> str | None:
+        """Realize's quantize (see quantize_form) as one ``QuantizeLinear``, which computes
+        ``clamp(round(x / s), lo - zp, hi - zp) + zp``: the same integers for an integer zp (NaN
+        inputs give other codes, which realize's NaN rows override). Codes of int8 are recorded
+        so that a dot's uint8 operand is the same node with its zero point moved by 128 (see
+        shifted_u8). None: not that pattern."""
+        form = self.quantize_form(e)
+        if form is None:
+            return None
+        x, scale, zp = form
+        to = np.dtype(e.params["new_dtype"])
         known = np.zeros((), np.float32) if zp is None else self.value(zp)
         if known is not None:
             if float(known) != round(float(known)):
@@ -603,7 +630,9 @@ class _Exporter:
     def poison(self, a: Any) -> bool:
         """Whether ``a`` is realize's NaN row: ``r * 0`` or ``where(bad, nan, 0)``, so adding it
         leaves a float as it is or makes it NaN (and the order of additions does not matter)."""
-        e = self.graph.made_by(a, "mul", "select_n", "jit", "pjit")
+        e = self.graph.made_by(a, "mul", "select_n", "jit", "pjit", *_RESHAPES)
+        if e is not None and e.primitive.name in _RESHAPES:
+            return self.poison(e.invars[0])
         if e is None:
             return False
         if e.primitive.name == "mul":
@@ -662,6 +691,8 @@ class _Exporter:
         Codes just cast from float (realize's quantize) are shifted before the cast instead."""
         if np.dtype(dtype) == np.uint8:
             return x, None
+        if x in self.u8:
+            return self.u8[x], self.const(128, np.uint8)
         if x in self.quantized:  # the same QuantizeLinear with its zero point moved by 128
             src, scale, zp = self.quantized[x]
             if isinstance(zp, np.ndarray):
@@ -682,12 +713,227 @@ class _Exporter:
         u8 = self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0]
         return u8, self.const(128, np.uint8)
 
+    def shadow(self, e: C.JaxprEqn, ins: list[str], outs: list[str]) -> None:
+        """Write the uint8 twin (``value + 128``) of an int8 result whose inputs have twins,
+        where the op commutes with the shift: shape ops, pooling, a max or min with a constant
+        (ReLU on codes), a pad with a constant. Twins nothing reads are dropped at the end."""
+        name = e.primitive.name
+        if not self.u8 or np.dtype(shaped_aval(e.outvars[0]).dtype) != np.int8:
+            return
+        twins = [self.u8.get(i) for i in ins]
+        twin: list[str] | None = None
+        if name in _SHIFT_COMMUTING and all(twins):
+            twin = self.eqn(e, [t for t in twins if t is not None])
+        elif name == "reduce_window_max" and twins[0] is not None:
+            twin = self.max_pool(e, [twins[0]])
+        elif name in ("max", "min", "pad"):
+            i = 0 if twins[0] is not None else 1
+            c = self.value(e.invars[1 - i])
+            if twins[i] is not None and c is not None and c.size == 1 and (name != "pad" or i == 0):
+                shifted = self.const(int(c.reshape(())) + 128, np.uint8)
+                if name == "pad":
+                    twin = self.eqn(e, [twins[0], shifted])  # type: ignore[list-item]
+                else:
+                    twin = self.node(_BINARY[name], [twins[i], shifted])  # type: ignore[list-item]
+        if twin is not None:
+            self.u8[outs[0]] = twin[0]
+
+    def expand(self, x: str, shape: Sequence[int]) -> str:
+        return self.node("Expand", [x, self.const(list(shape), np.int64)])[0]
+
+    def nonfinite(self, v: Any, axes: Sequence[int] = ()) -> str:
+        """Whether a value of finite_like holds NaN or Inf, over ``axes`` (any), not expanded."""
+        row = self.finite_like[v]
+        if row is None:
+            return self.const(False, np.bool_)
+        flat = [shaped_aval(row).shape[i] for i in range(shaped_aval(row).ndim) if i not in axes]
+        return self.node("IsNaN", [self.zero_sum(row, axes, flat)])[0]
+
+    def requantizing(self, z: Any) -> tuple[list[C.JaxprEqn], C.JaxprEqn, float, int]:
+        """For a float value read only by realize's quantize to int8 codes (see quantize_form)
+        and by ``is_finite``: the quantize's equations, its last one (the int8 cast), and its
+        constant scale and zero point. Raises _NoMatch when ``z`` is read otherwise."""
+        g = self.graph
+        users = g.readers.get(z, [])
+        if g.count.get(z) != sum(u.invars.count(z) for u in users):
+            raise _NoMatch("an output of the region")
+        divs = [u for u in users if u.primitive.name != "is_finite"]
+        if len(divs) != 1 or divs[0].primitive.name != "div" or divs[0].invars[0] is not z:
+            raise _NoMatch("not read by one quantize")
+        chain, e = [divs[0]], divs[0]
+        while not (
+            e.primitive.name == "convert_element_type"
+            and np.dtype(e.params["new_dtype"]) == np.int8
+        ):
+            nxt = g.sole_user(e.outvars[0], "round", "add", "jit", "pjit", "clamp", "max", "min",
+                              "convert_element_type")  # fmt: skip
+            if nxt is None or len(chain) > 7:
+                raise _NoMatch("not a quantize to int8 codes")
+            chain.append(nxt)
+            e = nxt
+        form = self.quantize_form(e)
+        s = None if form is None else self.value(form[1])
+        zp = np.zeros(()) if form is None or form[2] is None else self.value(form[2])
+        if form is None or form[0] is not z or s is None or zp is None:
+            raise _NoMatch("not a quantize with constant scale and zero point")
+        if float(zp) != round(float(zp)) or not 0 <= float(zp) + 128 <= 255 or float(s) <= 0:
+            raise _NoMatch("a zero point off the uint8 range once shifted")
+        return chain, e, float(s), int(zp)
+
+    def requantized_conv(self, e: C.JaxprEqn) -> list[str]:
+        """An int8 convolution whose result realize only rescales and biases to float and
+        quantizes to the next layer's int8 codes, ``q(float(conv(x, w) - t) * y + b)``, as one
+        ``QLinearConv`` on uint8 codes (ONNX Runtime's fast x86 path; its NHWC kernels, not
+        ``ConvInteger``'s loop). The integer sums are the same (padding holds the zero point, so
+        it adds 0, as realize's term ``t`` makes it); its requantize rounds ``(acc + round(b /
+        y)) * (y / s)`` in float where realize rounds ``(acc * y + b) / s``, which differ by
+        less than ``y / s / 2 + 1e-4`` steps before rounding: with ``y / s <= 1`` (checked), a
+        code is realize's or one step from it. Channels-last outputs; raises _NoMatch else."""
+        g = self.graph
+        p = e.params
+        dn = p["dimension_numbers"]
+        w = self.value(e.invars[1])
+        out = shaped_aval(e.outvars[0])
+        rank = out.ndim
+        if (
+            w is None
+            or w.dtype != np.int8
+            or any(d != 1 for d in p["lhs_dilation"])
+            or p["batch_group_count"] != 1
+            or dn.out_spec[1] != rank - 1
+        ):
+            raise _NoMatch("not a channels-last int8 convolution with constant weights")
+        n = out.shape[-1]
+        v, term, chain = e.outvars[0], None, []
+        sub = g.sole_user(v, "sub")
+        if sub is not None and sub.invars[0] is v:
+            term = self.value(sub.invars[1])
+            if term is None or term.ndim != rank or term.shape[0] != 1:
+                raise _NoMatch("a zero-point term computed at run time, or per sample")
+            chain.append(sub)
+            v = sub.outvars[0]
+        cast = g.sole_user(v, "convert_element_type")
+        if cast is None or np.dtype(cast.params["new_dtype"]) != np.float32:
+            raise _NoMatch("not cast to float32")
+        mul = g.sole_user(cast.outvars[0], "mul")
+        other = None if mul is None else mul.invars[1 if mul.invars[0] is cast.outvars[0] else 0]
+        y = None if other is None else self.value(other)
+        if mul is None or y is None or y.dtype != np.float32 or y.size not in (1, n):
+            raise _NoMatch("not scaled by constant float32 scales per channel")
+        if y.size > 1 and y.shape[-1] != n:
+            raise _NoMatch("scales along another axis than the channels")
+        scale = np.broadcast_to(y.reshape(-1), (n,)).astype(np.float64)
+        adds, bias, row = self.biased(mul, y.size)
+        last = adds[-1] if adds else mul
+        quantize, codes, s, zp = self.requantizing(last.outvars[0])
+        # the input: codes, maybe padded with a constant by realize (with the zero point)
+        x, fill = e.invars[0], None
+        pads = [list(lh) for lh in p["padding"]]
+        pad = g.made_by(x, "pad")
+        if pad is not None and (fill := self.value(pad.invars[1])) is not None:
+            cfg = pad.params["padding_config"]
+            kept = (dn.lhs_spec[0], dn.lhs_spec[1])
+            if any(i or lo < 0 or hi < 0 for lo, hi, i in cfg) or any(
+                cfg[d][:2] != (0, 0) for d in kept
+            ):
+                raise _NoMatch("a pad other than spatial")
+            for pd, d in zip(pads, dn.lhs_spec[2:], strict=True):
+                pd[0], pd[1] = pd[0] + cfg[d][0], pd[1] + cfg[d][1]
+            x = pad.invars[0]
+        # realize's sums minus QLinearConv's (padding = zero point c) must be the term t
+        w_oi = np.transpose(w, dn.rhs_spec).astype(np.int64)  # [O, I / groups, kernel...]
+        c = int(fill.reshape(())) if fill is not None else 0
+        if fill is None and term is not None:  # c from the term, where a window sum is not 0
+            sums = self.padding_term(e, x, None, 1)
+            nz = np.flatnonzero(sums)
+            c = (
+                int(np.broadcast_to(term, sums.shape).reshape(-1)[nz[0]] // sums.reshape(-1)[nz[0]])
+                if nz.size
+                else 0
+            )
+        if not 0 <= c + 128 <= 255:
+            raise _NoMatch("an activation zero point off the uint8 range once shifted")
+        want = self.padding_term(e, x, fill, c)
+        have = np.zeros((), np.int64) if term is None else term.astype(np.int64)
+        if not np.array_equal(np.broadcast_to(have, want.shape), want):
+            raise _NoMatch("a zero-point term that is not the zero point's window sums")
+        b = np.zeros(n) if bias is None else bias.astype(np.float64)
+        qbias = np.round(b / scale)
+        steps = np.abs(w_oi).reshape(n, -1).sum(1) * 255
+        if (
+            np.any(scale <= 0)
+            or np.any(scale / s > 1)
+            or np.any(np.abs(qbias) + steps >= 2**31)
+            or not np.all(steps * scale + np.abs(b) < 1e38)  # (so the float result is finite)
+        ):
+            raise _NoMatch("scales whose requantize could round more than one step apart")
+        xu8 = self.shifted_u8(self.name_of(x), np.int8)[0]
+        ins = [
+            self.transpose(xu8, dn.lhs_spec),
+            self.const(1.0, np.float32),
+            self.const(c + 128, np.uint8),
+            self.const(w_oi.astype(np.int8)),
+            self.const(scale.astype(np.float32)),
+            self.const(np.zeros(n, np.int8)),
+            self.const(s, np.float32),
+            self.const(zp + 128, np.uint8),
+            self.const(qbias.astype(np.int32)),
+        ]
+        attrs = {
+            "strides": list(p["window_strides"]),
+            "dilations": list(p["rhs_dilation"]),
+            "pads": [lo for lo, _ in pads] + [hi for _, hi in pads],
+            "group": int(p["feature_group_count"]),
+        }
+        y8 = self.node("QLinearConv", ins, **attrs)[0]
+        twin = self.transpose(y8, [int(d) for d in np.argsort(dn.out_spec)])
+        wide = self.node("Cast", [twin], to=self.onnx.TensorProto.INT16)
+        moved = self.node("Sub", [wide[0], self.const(128, np.int16)])
+        codes_i8 = self.node("Cast", moved, to=self.onnx.TensorProto.INT8)[0]
+        self.u8[codes_i8] = twin
+        self.done.update({id(q): None for q in [*chain, cast, mul, *adds, *quantize]})
+        self.done[id(codes)] = (codes_i8, None)
+        if any(u.primitive.name == "is_finite" for u in g.readers[last.outvars[0]]):
+            # (read only for its NaN rows: it shares the row's, its float part being bounded)
+            self.finite_like[last.outvars[0]] = row
+            self.done[id(last)] = (self.const(0.0, np.float32), row)
+        return [twin]  # (the convolution's own int32 result is never read)
+
+    def padding_term(self, e: C.JaxprEqn, x: Any, fill: Any, c: int) -> np.ndarray:
+        """What realize subtracts from an int8 convolution of ``x`` (padded with ``fill`` first,
+        if not None) so that each window sums ``(x - c) w`` over ``x``'s own positions: ``c``
+        times the weights over each window's real positions, plus ``fill`` times them over the
+        positions the pad added; shaped like one sample of the output."""
+        import jax
+
+        p = e.params
+        dn = p["dimension_numbers"]
+        shape = list(shaped_aval(x).shape)
+        shape[dn.lhs_spec[0]] = 1
+        mask = np.full(shape, c, np.int32)
+        pad = self.graph.made_by(e.invars[0], "pad")
+        w = np.asarray(self.value(e.invars[1]), np.int32)
+        with jax.ensure_compile_time_eval():  # (the exporter may run while jit traces)
+            if fill is not None and pad is not None:
+                cfg = [(lo, hi, 0) for lo, hi, _ in pad.params["padding_config"]]
+                mask = np.asarray(jax.lax.pad(mask, np.int32(fill.reshape(())), cfg))
+            term = jax.lax.conv_general_dilated(
+                mask, w, p["window_strides"], p["padding"], None, p["rhs_dilation"], dn,
+                p["feature_group_count"], 1, None, preferred_element_type=np.int32,
+            )  # fmt: skip
+            return np.asarray(term, np.int64)
+
     def conv(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         """``conv_general_dilated`` as ``Conv`` (float) or ``ConvInteger`` (8-bit), in ONNX's
         channels-first layout (transposes around it where the equation's layout differs)."""
         p = e.params
         dn = p["dimension_numbers"]
         x_dtype, w_dtype = (np.dtype(shaped_aval(v).dtype) for v in e.invars)
+        if x_dtype == np.int8 and not self.exact:
+            try:
+                return self.requantized_conv(e)
+            except _NoMatch:
+                pass
         if x_dtype in _INT8 and p["feature_group_count"] == 1:
             return self.int_conv_as_matmul(e, ins)
         x, zp = self.shifted_u8(ins[0], x_dtype) if x_dtype in _INT8 else (ins[0], None)
@@ -831,13 +1077,18 @@ class _Exporter:
         return out
 
 
-def export_onnx(region: Program, *, onnxruntime_ops: bool = True) -> Any:
+def export_onnx(region: Program, *, onnxruntime_ops: bool = True, exact: bool = False) -> Any:
     """Export a region (a Program over flat arrays) to an ``onnx.ModelProto``.
 
     With ``onnxruntime_ops`` (the default), an 8-bit dot whose result is only rescaled to float
     (realize's ``float(dot - zero-point term) * scales``) becomes one ONNX Runtime
     ``com.microsoft.MatMulIntegerToFloat`` (the same floats, one kernel instead of four);
     ``onnxruntime_ops=False`` keeps to the standard ONNX domain, for other runtimes.
+
+    An 8-bit convolution whose result realize only requantizes to the next layer's int8 codes
+    becomes one ``QLinearConv``, whose requantize rounds in float: each such code is realize's
+    or one step from it. ``exact=True`` keeps every integer equal to realize's (``ConvInteger``
+    arithmetic and realize's own float rescale and rounding; slower).
     """
     try:
         import onnx
@@ -851,7 +1102,7 @@ def export_onnx(region: Program, *, onnxruntime_ops: bool = True) -> Any:
         raise BackendError(
             f"the ONNX exporter cannot export region {region.name!r}: no rule for {sorted(bad)}"
         )
-    ex = _Exporter(onnx, fuse=onnxruntime_ops)
+    ex = _Exporter(onnx, fuse=onnxruntime_ops, exact=exact)
     names = [f"in{i}" for i in range(len(closed.jaxpr.invars))]
     outs = ex.run(closed.jaxpr, closed.consts, names)
     h = onnx.helper
@@ -911,10 +1162,10 @@ def _fused_kernels_run() -> bool:
         return False
 
 
-def onnx_codegen(region: Program) -> Callable[..., Sequence[Any]]:
-    """Export the region and open an ONNX Runtime session for it (CPU execution provider). The
-    returned callable carries ``.model``, ``.session`` and ``.calls`` (how many times the session
-    ran)."""
+def onnx_codegen(region: Program, *, exact: bool = False) -> Callable[..., Sequence[Any]]:
+    """Export the region (``exact``: see export_onnx) and open an ONNX Runtime session for it
+    (CPU execution provider). The returned callable carries ``.model``, ``.session`` and
+    ``.calls`` (how many times the session ran)."""
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -922,7 +1173,7 @@ def onnx_codegen(region: Program) -> Callable[..., Sequence[Any]]:
             "the onnxruntime backend needs the 'onnxruntime' package: pip install onnxruntime "
             "(or jaxq[onnx])"
         ) from e
-    model = export_onnx(region, onnxruntime_ops=_fused_kernels_run())
+    model = export_onnx(region, onnxruntime_ops=_fused_kernels_run(), exact=exact)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     # one thread per core, and idle threads sleep: spinning ORT threads next to XLA's made the
