@@ -5,14 +5,16 @@ A small exporter covers the ops regions usually hold (elementwise arithmetic and
 slices, concatenations, casts, reductions, ``select_n``); nested ``jit`` / ``custom_jvp_call``
 bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize writes it maps onto
 ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMulInteger`` and an
-int8 convolution ``ConvInteger``, their int8 activations shifted by 128 into uint8 with a zero
-point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ONNX Runtime's x86
-kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused kernels where they
+int8 convolution im2col + ``MatMulInteger``, their int8 activations shifted by 128 into uint8
+with a zero point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ONNX
+Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused kernels where they
 compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with its zero-point
 term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term
 checked on the weights' values), ``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, and a row's NaN
 check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps NaN where
-ONNX Runtime's ``ReduceMax`` drops it. The session is called through ``jax.pure_callback``, so a
+ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that requantizes straight
+to the next layer's codes becomes one ``QLinearConv``, which rounds that requantize in float (each
+code realize's or one step from it). The session is called through ``jax.pure_callback``, so a
 built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime``
 (``pip install jaxq[onnx]``).
 """
