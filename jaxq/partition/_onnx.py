@@ -7,12 +7,12 @@ bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize writes
 ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMulInteger`` and an
 int8 convolution im2col + ``MatMulInteger``, their int8 activations shifted by 128 into uint8
 with a zero point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ONNX
-Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused kernels where they
-compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with its zero-point
-term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term
-checked on the weights' values), ``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, and a row's NaN
-check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps NaN where
-ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that requantizes straight
+Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused
+kernels where they compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with
+its zero-point term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the
+zero-point term checked on the weights' values), ``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, and
+a row's NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps
+NaN where ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that requantizes straight
 to the next layer's codes becomes one ``QLinearConv``, which rounds that requantize in float (each
 code realize's or one step from it). The session is called through ``jax.pure_callback``, so a
 built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime``
@@ -934,8 +934,9 @@ class _Exporter:
             if fill is not None and pad is not None:
                 cfg = [(lo, hi, 0) for lo, hi, _ in pad.params["padding_config"]]
                 mask = np.asarray(jax.lax.pad(mask, np.int32(fill.reshape(())), cfg))
+            lhs, rhs = jax.numpy.asarray(mask), jax.numpy.asarray(w)
             term = jax.lax.conv_general_dilated(
-                jax.numpy.asarray(mask), jax.numpy.asarray(w), p["window_strides"], p["padding"], None, p["rhs_dilation"], dn,
+                lhs, rhs, p["window_strides"], p["padding"], None, p["rhs_dilation"], dn,
                 p["feature_group_count"], 1, None, preferred_element_type=np.int32,
             )  # fmt: skip
             return np.asarray(term, np.int64)
