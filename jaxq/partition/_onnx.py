@@ -12,10 +12,10 @@ kernels where they compute the same numbers: its quantize as ``QuantizeLinear``,
 its zero-point term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the
 zero-point term checked on the weights' values), ``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, and
 a row's NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps
-NaN where ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that requantizes straight
-to the next layer's codes becomes one ``QLinearConv``, which rounds that requantize in float (each
-code realize's or one step from it). The session is called through ``jax.pure_callback``, so a
-built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime``
+NaN where ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that
+requantizes straight to the next layer's codes becomes one ``QLinearConv``, which rounds that
+requantize in float (each code realize's or one step from it). The session is called through
+``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime``
 (``pip install jaxq[onnx]``).
 """
 
