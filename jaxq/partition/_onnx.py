@@ -15,8 +15,8 @@ a row's NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x 
 NaN where ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that
 requantizes straight to the next layer's codes becomes one ``QLinearConv``, which rounds that
 requantize in float (each code realize's or one step from it). The session is called through
-``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx`` and ``onnxruntime``
-(``pip install jaxq[onnx]``).
+``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx``
+and ``onnxruntime`` (``pip install jaxq[onnx]``).
 """
 
 from __future__ import annotations
