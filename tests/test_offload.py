@@ -144,6 +144,25 @@ def test_gelu_is_one_fused_kernel_within_float_rounding(approximate, kernel):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
+def layer_norm(x, scale, bias, eps=1e-12):  # (as BERT-style JAX code writes it)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + eps) * scale + bias
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_is_one_kernel_within_float_rounding(affine):
+    scale, bias = RNG.normal(size=(2, 48)).astype(np.float32)
+    x = (RNG.normal(size=(3, 5, 48)) * 3 + 100).astype(np.float32)  # (a mean far from 0)
+    x[0, 0, 3], x[0, 1, 4], x[0, 2, 5], x[1, 0] = np.nan, np.inf, -np.inf, 7.0  # (7: var 0)
+    f = lambda x: layer_norm(x, scale, bias) if affine else layer_norm(x, 1.0, 0.0)
+    (got,), ops = run_onnx_ops(f, x)
+    want = np.asarray(jax.jit(f)(x))
+    assert "LayerNormalization" in ops and not ops & {"Sqrt", "Reciprocal"}
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
 def run_onnx_ops(f, *args):
     """Like run_onnx, and the op types of the exported model (one export, one session)."""
     run = onnx_codegen(jaxq.trace(f, *args))
@@ -430,6 +449,43 @@ def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
     x[1, 2, 3, 0] = np.nan  # (a NaN row still comes out NaN, through the fused layers)
     assert np.array_equal(np.isnan(np.asarray(fast(x))), np.isnan(np.asarray(qf(x))))
+
+
+def test_nan_rows_known_from_an_earlier_layer_are_not_checked_again():
+    # LN -> dense -> GELU -> dense: the second dense's input holds NaN or Inf exactly in the rows
+    # realize's NaN row made NaN after the first (its sums are bounded), and a layer norm's
+    # output is bounded where finite: no pass over the GELU output, none writing x * 0
+    rng = np.random.default_rng(3)
+    w0, w1 = (rng.normal(size=(24, 64)) / 5).astype(np.float32), (rng.normal(size=(64, 8)) / 8)
+    w1 = w1.astype(np.float32)
+    scale, bias = rng.normal(size=(2, 24)).astype(np.float32)
+
+    def block(params, x):
+        w0, w1 = params
+        h = layer_norm(x, scale, bias)
+        with jax.named_scope("Dense_0"):
+            h = jax.nn.gelu(h @ w0 + 0.1, approximate=False)
+        with jax.named_scope("Dense_1"):
+            return h @ w1
+
+    x = rng.normal(size=(12, 24)).astype(np.float32)
+    qf = jaxq.quantize(block, (w0, w1), calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    x[1, 2], x[3, 4], x[5, 5], x[7] = np.nan, np.inf, -np.inf, 3e38
+    got, want = np.asarray(jax.jit(fast)(x)), np.asarray(qf(x))
+    assert np.isnan(want[[1, 3, 5]]).all() and not np.isnan(want[8:]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fine = ~np.isnan(want)
+    assert np.abs(got[fine] - want[fine]).max() <= 0.02 * np.abs(want[fine]).max()
+    (region,) = fast.regions(x)
+    model = export_onnx(region.program())
+
+    def readers(op):
+        (node,) = [n for n in model.graph.node if n.op_type == op]
+        return sorted(n.op_type for n in model.graph.node if node.output[0] in n.input)
+
+    assert readers("Gelu") == ["QuantizeLinear"]  # (no NaN check reads it)
+    assert readers("LayerNormalization") == ["QuantizeLinear", "ReduceSum"]  # (no x * 0)
 
 
 def test_what_onnx_runtime_cannot_run_stays_with_xla_and_is_named():

@@ -8,11 +8,13 @@ ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMul
 int8 convolution im2col + ``MatMulInteger``, their int8 activations shifted by 128 into uint8
 with a zero point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ONNX
 Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused
-kernels where they compute the same numbers: its quantize as ``QuantizeLinear``, an int8 dot with
-its zero-point term, float rescale and bias as ``com.microsoft.MatMulIntegerToFloat`` (the
-zero-point term checked on the weights' values), ``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, and
-a row's NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps
-NaN where ONNX Runtime's ``ReduceMax`` drops it. Unless ``exact``, a convolution that
+kernels where they compute the same numbers (or within float rounding): its quantize as
+``QuantizeLinear``, an int8 dot with its zero-point term, float rescale and bias as
+``com.microsoft.MatMulIntegerToFloat`` (the zero-point term checked on the weights' values),
+``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, a layer norm as ``LayerNormalization``, and a row's
+NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps NaN
+where ONNX Runtime's ``ReduceMax`` drops it (as ``sum(x)`` where ``x`` is bounded, or an earlier
+layer's NaN row where it provably has the same). Unless ``exact``, a convolution that
 requantizes straight to the next layer's codes becomes one ``QLinearConv``, which rounds that
 requantize in float (each code realize's or one step from it). The session is called through
 ``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx``
@@ -219,6 +221,13 @@ class _Exporter:
         self.u8: dict[str, str] = {}
         """int8 values also written as uint8 ``value + 128`` (a ``QLinearConv``'s output, and
         what pads, ReLUs, pooling and reshapes make of it): that uint8 value (see shifted_u8)."""
+        self.bounded: dict[Any, float] = {}
+        """Float values whose finite elements are at most this in magnitude, proven on constants
+        (a fused dot's output, a layer norm's, what GELU and constant scales make of them)."""
+        self.rows: dict[Any, tuple[str, tuple[int, ...]]] = {}
+        """Bounded values whose rows hold NaN or Inf exactly where this NaN row (name, shape) is
+        NaN: a fused dot's output after realize's NaN row, what GELU and constant scales make of
+        it."""
         self.finite_like: dict[Any, Any] = {}
         """Float values a fused requantize left unwritten, read only by ``is_finite``: the NaN row
         whose finiteness their elements share (None: finite everywhere, bounded on the weights)."""
@@ -269,6 +278,8 @@ class _Exporter:
                     out, late = fused
                     if late is not None:  # (computed after the fused node: added here)
                         out = self.node("Add", [out, read(late)])[0]
+                        if e.outvars[0] in self.bounded:  # (a fused dot's: NaN where late is)
+                            self.rows[e.outvars[0]] = (read(late), shaped_aval(late).shape)
                     env[e.outvars[0]] = out
                 continue
             ins = [read(a) for a in e.invars]
@@ -301,14 +312,31 @@ class _Exporter:
         out_aval = shaped_aval(e.outvars[0])
         body = C.inline_body(e)
         if body is not None:
-            return self.run(body.jaxpr, body.consts, ins)
+            for outer, inner in zip(e.invars, body.jaxpr.invars, strict=True):
+                self.carry(outer, inner, 1.0)
+            outs = self.run(body.jaxpr, body.consts, ins)
+            for inner, outer in zip(body.jaxpr.outvars, e.outvars, strict=True):
+                self.carry(inner, outer, 1.0)
+            return outs
         if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
             return ins
         if name in _UNARY:
             return self.node(_UNARY[name], ins)
         if name == "mul" and self.fuse and (gelu := self.gelu(e)) is not None:
             self.contrib = True
+            self.carry(gelu[1], e.outvars[0], 1.0)  # (|gelu(x)| <= |x|; NaN and +-Inf: NaN, Inf)
             return self.node(gelu[0], [self.name_of(gelu[1])], domain="com.microsoft")
+        if name == "mul" and self.fuse and (norm := self.layer_norm(e)) is not None:
+            return [norm]
+        known = [not C.is_literal(v) and v in self.bounded for v in e.invars]
+        if name in ("mul", "add") and any(known):
+            i = 0 if known[0] else 1
+            c = self.value(e.invars[1 - i])
+            if c is not None and c.dtype == np.float32 and c.size and np.all(np.isfinite(c)):
+                big = float(np.abs(c).max())
+                self.carry(
+                    e.invars[i], e.outvars[0], big if name == "mul" else 1.0, big * (name == "add")
+                )
         if name in _BINARY:
             return self.node(_BINARY[name], ins)
         if name == "rsqrt":
@@ -588,13 +616,125 @@ class _Exporter:
                 return "FastGelu", x
         return None
 
+    def carry(self, src: Any, out: Any, times: float, plus: float = 0.0) -> None:
+        """``out`` is ``f(src)`` with ``|f(x)| <= times * |x| + plus`` for finite ``x``, finite
+        where ``x`` is finite (as far as the bound keeps it finite) and NaN or Inf where it is
+        not: ``out`` keeps ``src``'s bound (scaled) and NaN rows."""
+        bound = None if C.is_literal(src) or C.is_literal(out) else self.bounded.get(src)
+        if bound is None or not bound * times + plus < 1e30:
+            return
+        if shaped_aval(out).shape != shaped_aval(src).shape:
+            return
+        self.bounded[out] = bound * times + plus
+        if src in self.rows:
+            self.rows[out] = self.rows[src]
+
+    def unshaped(self, v: Any) -> Any:
+        """``v`` before the broadcasts and reshapes that made it."""
+        while (e := self.graph.made_by(v, *_RESHAPES)) is not None:
+            v = e.invars[0]
+        return v
+
+    def mean_of(self, v: Any, n: int) -> Any:
+        """``x`` where ``v`` is ``sum(x, last axis) / n`` (or ``* (1 / n)``), broadcast or not."""
+        g = self.graph
+        e = g.made_by(v, "div", "mul")
+        if e is None or not (
+            self.is_scalar(e.invars[1], float(n))
+            if e.primitive.name == "div"
+            else self.is_scalar(e.invars[1], float(np.float32(1 / n)))
+        ):
+            return None
+        total = g.made_by(self.unshaped(e.invars[0]), "reduce_sum")
+        if total is None:
+            return None
+        x = total.invars[0]
+        last = (shaped_aval(x).ndim - 1,)
+        return x if tuple(total.params["axes"]) == last and shaped_aval(x).shape[-1] == n else None
+
+    def centered(self, v: Any, n: int) -> tuple[Any, Any] | None:
+        """``(x, mean)`` where ``v`` is ``x - mean(x)`` over the last axis (``mean`` unshaped)."""
+        sub = self.graph.made_by(v, "sub")
+        if sub is None:
+            return None
+        mean = self.unshaped(sub.invars[1])
+        return (sub.invars[0], mean) if self.mean_of(mean, n) is sub.invars[0] else None
+
+    def layer_norm(self, e: C.JaxprEqn) -> str | None:
+        """``(x - mean) * rsqrt(var + eps)`` over the last axis (``var`` the mean of ``(x -
+        mean)^2``), then ``* scale + bias`` (constants) if they follow, as ``LayerNormalization``
+        of the centered ``x - mean``: its numbers within float rounding of XLA's (ONNX Runtime
+        computes the variance as ``E[d^2] - E[d]^2``, which loses nothing once ``d`` is
+        centered), one pass instead of five. None: not that pattern."""
+        g = self.graph
+        shape = shaped_aval(e.outvars[0]).shape
+        if not shape:
+            return None
+        n = shape[-1]
+        for d, r in (e.invars, e.invars[::-1]):
+            rs = g.made_by(self.unshaped(r), "rsqrt")
+            plus = None if rs is None else g.made_by(rs.invars[0], "add")
+            here = self.centered(d, n)
+            if plus is None or here is None or shaped_aval(d).shape != tuple(shape):
+                continue
+            i = 0 if self.value(plus.invars[1]) is not None else 1
+            eps = self.value(plus.invars[1 - i] if i == 1 else plus.invars[1])
+            sq = g.made_by(self.mean_of(plus.invars[i], n), "square", "integer_pow", "mul")
+            if eps is None or eps.size != 1 or sq is None:
+                continue
+            if sq.primitive.name == "integer_pow" and sq.params["y"] != 2:
+                continue
+            if sq.primitive.name == "mul" and sq.invars[0] is not sq.invars[1]:
+                continue
+            if self.centered(sq.invars[0], n) != here:  # (the same x - mean, maybe written twice)
+                continue
+            out, chain = e.outvars[0], []
+            vectors = []
+            for op in ("mul", "add"):
+                nxt = g.sole_user(out, op)
+                other = None if nxt is None else nxt.invars[1 if nxt.invars[0] is out else 0]
+                v = None if other is None else self.value(other)
+                if nxt is None or v is None or v.dtype != np.float32 or v.size != n:
+                    break
+                if v.shape[-1] != n or shaped_aval(nxt.outvars[0]).shape != tuple(shape):
+                    break
+                vectors.append(v.reshape(n))
+                chain.append(nxt)
+                out = nxt.outvars[0]
+            scale = vectors[0] if vectors else np.ones(n, np.float32)
+            bias = vectors[1] if len(vectors) > 1 else np.zeros(n, np.float32)
+            norm = self.node(
+                "LayerNormalization",
+                [self.name_of(d), self.const(scale), self.const(bias)],
+                axis=-1,
+                epsilon=float(eps.reshape(())),
+            )[0]
+            if chain:
+                self.done.update({id(q): None for q in chain[:-1]})
+                self.done[id(chain[-1])] = (norm, None)
+            # (|d / sqrt(mean(d^2) + eps)| <= sqrt(n): finite elements are at most this)
+            top = float(np.sqrt(n) * 1.001 * np.abs(scale).max() + np.abs(bias).max())
+            self.bounded[(chain[-1] if chain else e).outvars[0]] = top
+            return norm
+        return None
+
     def zero_sum(self, x: Any, axes: Sequence[int], shape: Sequence[int]) -> str:
         """``|sum(x * 0)|`` over ``axes``, reshaped to ``shape``: NaN where the row holds NaN
         or Inf, +0 elsewhere (as XLA's sum from +0; ONNX Runtime's gives -0 for a negative row);
         a wide last axis as ``x @ zeros`` (one read, no ``x * 0`` written)."""
         aval = shaped_aval(x)
         wide, large = _NAN_ROW_MATMUL_MIN
-        if tuple(axes) == (aval.ndim - 1,) and aval.shape[-1] >= wide and aval.size >= large:
+        row, row_shape = self.rows.get(x, (None, ()))
+        kept = tuple(1 if i in axes else d for i, d in enumerate(aval.shape))
+        if row is not None and tuple(row_shape) == kept:  # (already computed)
+            flat = self.node("Reshape", [row, self.const(list(shape), np.int64)])
+            return self.node("Abs", flat)[0]
+        count = int(np.prod([aval.shape[i] for i in axes], dtype=np.int64))
+        if x in self.bounded and self.bounded[x] * count < 1e30:
+            # (a finite row's sum stays finite: sum(x) * 0 is as good, one pass fewer)
+            total = self.node("ReduceSum", [self.name_of(x), self.const(list(axes), np.int64)])
+            total = self.node("Mul", [total[0], self.const(0, aval.dtype)])
+        elif tuple(axes) == (aval.ndim - 1,) and aval.shape[-1] >= wide and aval.size >= large:
             zeros = self.const(np.zeros((aval.shape[-1], 1), aval.dtype))
             total = self.node("MatMul", [self.name_of(x), zeros])
         else:
@@ -1080,6 +1220,13 @@ class _Exporter:
                         out = self.node("Reshape", [fused[0], self.const(shape, np.int64)])
                     self.done.update({id(q): None for q in chain})
                     self.done[id(last)] = (out[0], poison)
+                    weights = self.values.get(y)
+                    if weights is not None:  # (|x - zp| <= 255 for uint8 codes)
+                        col = np.abs(weights.reshape(k, n).astype(np.float64)).sum(0) * 255
+                        top = float((col * np.abs(scales.reshape(-1))).max())
+                        top += 0.0 if bias is None else float(np.abs(bias).max())
+                        if top < 1e30:  # (its NaN rows: where run() adds the late poison)
+                            self.bounded[last.outvars[0]] = top
                     return fused  # (the dot's own int32 result is never read)
         if integer:
             zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
