@@ -312,11 +312,11 @@ class _Exporter:
         out_aval = shaped_aval(e.outvars[0])
         body = C.inline_body(e)
         if body is not None:
-            for outer, inner in zip(e.invars, body.jaxpr.invars, strict=True):
-                self.carry(outer, inner, 1.0)
+            for a, b in zip(e.invars, body.jaxpr.invars, strict=True):
+                self.carry(a, b, 1.0)
             outs = self.run(body.jaxpr, body.consts, ins)
-            for inner, outer in zip(body.jaxpr.outvars, e.outvars, strict=True):
-                self.carry(inner, outer, 1.0)
+            for b, a in zip(body.jaxpr.outvars, e.outvars, strict=True):
+                self.carry(b, a, 1.0)  # (bounds and NaN rows across the call)
             return outs
         if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
             return ins
