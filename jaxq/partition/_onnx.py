@@ -315,8 +315,8 @@ class _Exporter:
             for a, b in zip(e.invars, body.jaxpr.invars, strict=True):
                 self.carry(a, b, 1.0)
             outs = self.run(body.jaxpr, body.consts, ins)
-            for b, a in zip(body.jaxpr.outvars, e.outvars, strict=True):
-                self.carry(b, a, 1.0)  # (bounds and NaN rows across the call)
+            for res, out in zip(body.jaxpr.outvars, e.outvars, strict=True):
+                self.carry(res, out, 1.0)  # (bounds and NaN rows across the call)
             return outs
         if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
             return ins
