@@ -312,11 +312,11 @@ class _Exporter:
         out_aval = shaped_aval(e.outvars[0])
         body = C.inline_body(e)
         if body is not None:
-            for a, b in zip(e.invars, body.jaxpr.invars, strict=True):
-                self.carry(a, b, 1.0)
+            for pair in zip(e.invars, body.jaxpr.invars, strict=True):
+                self.carry(*pair, 1.0)  # (bounds and NaN rows across the call)
             outs = self.run(body.jaxpr, body.consts, ins)
-            for res, out in zip(body.jaxpr.outvars, e.outvars, strict=True):
-                self.carry(res, out, 1.0)  # (bounds and NaN rows across the call)
+            for pair in zip(body.jaxpr.outvars, e.outvars, strict=True):
+                self.carry(*pair, 1.0)
             return outs
         if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
             return ins
