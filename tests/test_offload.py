@@ -144,6 +144,18 @@ def test_gelu_is_one_fused_kernel_within_float_rounding(approximate, kernel):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
+def test_softmax_is_one_kernel_within_float_rounding():
+    x = RNG.normal(size=(3, 4, 40)).astype(np.float32) * 4
+    x[0, 0, 3], x[0, 1, 5], x[0, 2], x[1, 0, 2] = np.nan, np.inf, -np.inf, -np.inf
+    f = lambda x: jax.nn.softmax(x, axis=-1) * 2
+    (got,), ops = run_onnx_ops(f, x)
+    want = np.asarray(jax.jit(f)(x))
+    assert "Softmax" in ops and not ops & {"Exp", "ReduceMax", "Div"}
+    assert np.isnan(want[0, :3]).all() and not np.isnan(want[0, 3:]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def layer_norm(x, scale, bias, eps=1e-12):  # (as BERT-style JAX code writes it)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)

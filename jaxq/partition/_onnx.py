@@ -319,6 +319,7 @@ class _Exporter:
                 self.carry(*pair, 1.0)
             return outs
         if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
+            self.carry(e.invars[0], e.outvars[0], 1.0)
             return ins
         if name in _UNARY:
             return self.node(_UNARY[name], ins)
@@ -328,6 +329,8 @@ class _Exporter:
             return self.node(gelu[0], [self.name_of(gelu[1])], domain="com.microsoft")
         if name == "mul" and self.fuse and (norm := self.layer_norm(e)) is not None:
             return [norm]
+        if name == "div" and self.fuse and (logits := self.softmax(e)) is not None:
+            return self.node("Softmax", [self.name_of(logits)], axis=-1)
         known = [not C.is_literal(v) and v in self.bounded for v in e.invars]
         if name in ("mul", "add") and any(known):
             i = 0 if known[0] else 1
@@ -631,9 +634,38 @@ class _Exporter:
 
     def unshaped(self, v: Any) -> Any:
         """``v`` before the broadcasts and reshapes that made it."""
-        while (e := self.graph.made_by(v, *_RESHAPES)) is not None:
+        while (
+            e := self.graph.made_by(v, *_RESHAPES, "stop_gradient", "copy", "copy_p")
+        ) is not None:
             v = e.invars[0]
         return v
+
+    def softmax(self, e: C.JaxprEqn) -> Any:
+        """``x`` where ``e`` is ``jax.nn.softmax(x)`` over the last axis, ``exp(x - max(x)) /
+        sum(...)`` (the max maybe floored at -inf), else None: one ``Softmax`` instead of five
+        passes, within float rounding of XLA's, NaN where XLA's is."""
+        g = self.graph
+        num, den = e.invars
+        ex, total = g.made_by(num, "exp"), g.made_by(self.unshaped(den), "reduce_sum")
+        sub = None if ex is None else g.made_by(ex.invars[0], "sub")
+        if total is None or sub is None or total.invars[0] is not num:
+            return None
+        x = sub.invars[0]
+        last = (shaped_aval(x).ndim - 1,)
+        top = self.unshaped(sub.invars[1])
+        floor = g.made_by(top, "max")
+        if floor is not None:
+            i = 0 if self.is_scalar(floor.invars[1], -np.inf) else 1
+            top = floor.invars[i] if self.is_scalar(floor.invars[1 - i], -np.inf) else top
+        peak = g.made_by(top, "reduce_max")
+        if peak is None or peak.invars[0] is not x or tuple(peak.params["axes"]) != last:
+            return None
+        if (
+            tuple(total.params["axes"]) != last
+            or shaped_aval(e.outvars[0]).shape != shaped_aval(x).shape
+        ):
+            return None
+        return x
 
     def mean_of(self, v: Any, n: int) -> Any:
         """``x`` where ``v`` is ``sum(x, last axis) / n`` (or ``* (1 / n)``), broadcast or not."""
