@@ -464,40 +464,44 @@ def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
 
 
 def test_nan_rows_known_from_an_earlier_layer_are_not_checked_again():
-    # LN -> dense -> GELU -> dense: the second dense's input holds NaN or Inf exactly in the rows
-    # realize's NaN row made NaN after the first (its sums are bounded), and a layer norm's
-    # output is bounded where finite: no pass over the GELU output, none writing x * 0
+    # LN -> dense -> GELU -> dense -> + residual -> LN -> dense: the second dense's input holds NaN
+    # or Inf exactly in the rows realize's NaN row made NaN after the first (its sums are
+    # bounded); a layer norm's output is bounded where finite (summed without x * 0, once); the
+    # residual sum and the second layer norm have the rows of what they read
     rng = np.random.default_rng(3)
-    w0, w1 = (rng.normal(size=(24, 64)) / 5).astype(np.float32), (rng.normal(size=(64, 8)) / 8)
-    w1 = w1.astype(np.float32)
-    scale, bias = rng.normal(size=(2, 24)).astype(np.float32)
+    w0, w1, w2 = (rng.normal(size=(3, 24, 24)) / 5).astype(np.float32)
+    (s0, b0), (s1, b1) = rng.normal(size=(2, 2, 24)).astype(np.float32)
 
     def block(params, x):
-        w0, w1 = params
-        h = layer_norm(x, scale, bias)
+        w0, w1, w2 = params
+        h = layer_norm(x, s0, b0)
         with jax.named_scope("Dense_0"):
-            h = jax.nn.gelu(h @ w0 + 0.1, approximate=False)
+            y = jax.nn.gelu(h @ w0 + 0.1, approximate=False)
         with jax.named_scope("Dense_1"):
-            return h @ w1
+            h = layer_norm(h + y @ w1, s1, b1)
+        with jax.named_scope("Dense_2"):
+            return h @ w2
 
     x = rng.normal(size=(12, 24)).astype(np.float32)
-    qf = jaxq.quantize(block, (w0, w1), calibration=[(x,)], progress=False)
+    qf = jaxq.quantize(block, (w0, w1, w2), calibration=[(x,)], progress=False)
     fast = jaxq.offload(qf)
     x[1, 2], x[3, 4], x[5, 5], x[7] = np.nan, np.inf, -np.inf, 3e38
     got, want = np.asarray(jax.jit(fast)(x)), np.asarray(qf(x))
     assert np.isnan(want[[1, 3, 5]]).all() and not np.isnan(want[8:]).any()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     fine = ~np.isnan(want)
-    assert np.abs(got[fine] - want[fine]).max() <= 0.02 * np.abs(want[fine]).max()
+    assert np.abs(got[fine] - want[fine]).max() <= 0.05 * np.abs(want[fine]).max()
     (region,) = fast.regions(x)
     model = export_onnx(region.program())
 
     def readers(op):
-        (node,) = [n for n in model.graph.node if n.op_type == op]
-        return sorted(n.op_type for n in model.graph.node if node.output[0] in n.input)
+        made = [n for n in model.graph.node if n.op_type == op]
+        return [sorted(n.op_type for n in model.graph.node if m.output[0] in n.input) for m in made]
 
-    assert readers("Gelu") == ["QuantizeLinear"]  # (no NaN check reads it)
-    assert readers("LayerNormalization") == ["QuantizeLinear", "ReduceSum"]  # (no x * 0)
+    assert readers("Gelu") == [["QuantizeLinear"]]  # (no NaN check reads it)
+    first, second = readers("LayerNormalization")
+    assert first == ["Add", "QuantizeLinear", "ReduceSum"]  # (the residual, and no x * 0)
+    assert second == ["QuantizeLinear"]
 
 
 def test_what_onnx_runtime_cannot_run_stays_with_xla_and_is_named():

@@ -228,6 +228,8 @@ class _Exporter:
         """Bounded values whose rows hold NaN or Inf exactly where this NaN row (name, shape) is
         NaN: a fused dot's output after realize's NaN row, what GELU and constant scales make of
         it."""
+        self.same_rows: dict[Any, Any] = {}
+        """Bounded values made by carry: the value they have their NaN rows from."""
         self.finite_like: dict[Any, Any] = {}
         """Float values a fused requantize left unwritten, read only by ``is_finite``: the NaN row
         whose finiteness their elements share (None: finite everywhere, bounded on the weights)."""
@@ -332,7 +334,9 @@ class _Exporter:
         if name == "div" and self.fuse and (logits := self.softmax(e)) is not None:
             return self.node("Softmax", [self.name_of(logits)], axis=-1)
         known = [not C.is_literal(v) and v in self.bounded for v in e.invars]
-        if name in ("mul", "add") and any(known):
+        if name == "add" and all(known) and e.invars[0] is not e.invars[1]:
+            self.add_rows(e)
+        elif name in ("mul", "add") and any(known):
             i = 0 if known[0] else 1
             c = self.value(e.invars[1 - i])
             if c is not None and c.dtype == np.float32 and c.size and np.all(np.isfinite(c)):
@@ -629,8 +633,24 @@ class _Exporter:
         if shaped_aval(out).shape != shaped_aval(src).shape:
             return
         self.bounded[out] = bound * times + plus
+        self.same_rows[out] = src
         if src in self.rows:
             self.rows[out] = self.rows[src]
+
+    def add_rows(self, e: C.JaxprEqn) -> None:
+        """``x + y`` of two bounded values: bounded by the sum, and NaN in a row where either is
+        (NaN + anything, Inf + finite, Inf - Inf: not finite)."""
+        x, y = e.invars
+        out = e.outvars[0]
+        if not shaped_aval(x).shape == shaped_aval(y).shape == shaped_aval(out).shape:
+            return
+        top = self.bounded[x] + self.bounded[y]
+        if not top < 1e30:
+            return
+        self.bounded[out] = top
+        if x in self.rows and y in self.rows and self.rows[x][1] == self.rows[y][1]:
+            both = self.node("Add", [self.rows[x][0], self.rows[y][0]])[0]
+            self.rows[out] = (both, self.rows[x][1])
 
     def unshaped(self, v: Any) -> Any:
         """``v`` before the broadcasts and reshapes that made it."""
@@ -746,7 +766,11 @@ class _Exporter:
                 self.done[id(chain[-1])] = (norm, None)
             # (|d / sqrt(mean(d^2) + eps)| <= sqrt(n): finite elements are at most this)
             top = float(np.sqrt(n) * 1.001 * np.abs(scale).max() + np.abs(bias).max())
-            self.bounded[(chain[-1] if chain else e).outvars[0]] = top
+            y = (chain[-1] if chain else e).outvars[0]
+            self.bounded[y] = top
+            x = here[0]
+            if x in self.rows and self.bounded.get(x, np.inf) < 1e18:
+                self.rows[y] = self.rows[x]  # (a finite row's variance is finite: finite out)
             return norm
         return None
 
@@ -763,9 +787,15 @@ class _Exporter:
             return self.node("Abs", flat)[0]
         count = int(np.prod([aval.shape[i] for i in axes], dtype=np.int64))
         if x in self.bounded and self.bounded[x] * count < 1e30:
-            # (a finite row's sum stays finite: sum(x) * 0 is as good, one pass fewer)
-            total = self.node("ReduceSum", [self.name_of(x), self.const(list(axes), np.int64)])
+            # (a finite row's sum stays finite: sum(x) * 0 is as good, one pass fewer; and it is
+            # the NaN row of x and of what x was scaled from, for later checks)
+            axes_ = self.const(list(axes), np.int64)
+            total = self.node("ReduceSum", [self.name_of(x), axes_], keepdims=1)
             total = self.node("Mul", [total[0], self.const(0, aval.dtype)])
+            v = x
+            while v is not None and shaped_aval(v).shape == aval.shape:
+                self.rows.setdefault(v, (total[0], kept))
+                v = self.same_rows.get(v)
         elif tuple(axes) == (aval.ndim - 1,) and aval.shape[-1] >= wide and aval.size >= large:
             zeros = self.const(np.zeros((aval.shape[-1], 1), aval.dtype))
             total = self.node("MatMul", [self.name_of(x), zeros])
@@ -826,36 +856,36 @@ class _Exporter:
 
     def biased(self, mul: C.JaxprEqn, n: int) -> tuple[list[C.JaxprEqn], Any, Any]:
         """After ``float(dot) * y``: ``+ bias`` (constant, per column), possibly after ``+`` a NaN
-        row. Returns the equations of that, the bias as a vector (None: no bias) and the NaN row
-        to add after the fused kernel (None: none)."""
+        row, or the NaN row alone. Returns the equations of that, the bias as a vector (None: no
+        bias) and the NaN row to add after the fused kernel (None: none)."""
         g = self.graph
         add = g.sole_user(mul.outvars[0], "add")
         if add is None:
             return [], None, None
-        adds = [add]
         out = shaped_aval(mul.outvars[0]).shape
-        i = 0 if add.invars[1] is mul.outvars[0] else 1
-        other = add.invars[i]
-        bias = self.value(other)
-        poison = None
-        if bias is None and self.poison(other):
-            poison, nxt = other, g.sole_user(add.outvars[0], "add")
-            if nxt is None:
-                return [], None, None
-            bias = self.value(nxt.invars[1] if nxt.invars[0] is add.outvars[0] else nxt.invars[0])
-            add = nxt
-            adds.append(add)
         size = out[-1] if out else 1
-        if (
-            bias is None
-            or bias.dtype != np.float32
-            or shaped_aval(add.outvars[0]).shape != out
-            or bias.size not in (1, size)
-            or (bias.size > 1 and bias.shape[-1] != size)
-            or n not in (1, size)
-        ):
+
+        def vector(add: C.JaxprEqn | None, v: Any) -> Any:  # the constant added to v, if a bias
+            if add is None or shaped_aval(add.outvars[0]).shape != out or n not in (1, size):
+                return None
+            bias = self.value(add.invars[1] if add.invars[0] is v else add.invars[0])
+            if bias is None or bias.dtype != np.float32 or bias.size not in (1, size):
+                return None
+            if bias.size > 1 and bias.shape[-1] != size:
+                return None
+            return np.broadcast_to(bias.reshape(-1), (size,)).astype(np.float32)
+
+        bias = vector(add, mul.outvars[0])
+        if bias is not None:
+            return [add], bias, None
+        other = add.invars[0] if add.invars[1] is mul.outvars[0] else add.invars[1]
+        if not self.poison(other) or shaped_aval(add.outvars[0]).shape != out:
             return [], None, None
-        return adds, np.broadcast_to(bias.reshape(-1), (size,)).astype(np.float32), poison
+        nxt = g.sole_user(add.outvars[0], "add")
+        bias = vector(nxt, add.outvars[0])
+        if nxt is None or bias is None:
+            return [add], None, other
+        return [add, nxt], bias, other
 
     def transpose(self, x: str, perm: Sequence[int]) -> str:
         if list(perm) == sorted(perm):
