@@ -786,23 +786,30 @@ class _Exporter:
             flat = self.node("Reshape", [row, self.const(list(shape), np.int64)])
             return self.node("Abs", flat)[0]
         count = int(np.prod([aval.shape[i] for i in axes], dtype=np.int64))
+        src, red = self.name_of(x), list(axes)
+        if len(axes) > 1 and tuple(axes) == tuple(range(aval.ndim - len(axes), aval.ndim)):
+            # (trailing axes as one: ONNX Runtime took 177 us on [256, 8, 8, 1], 16 on [256, 64])
+            lead = list(aval.shape[: aval.ndim - len(axes)])
+            src, red = (
+                self.node("Reshape", [src, self.const([*lead, -1], np.int64)])[0],
+                [len(lead)],
+            )
         if x in self.bounded and self.bounded[x] * count < 1e30:
             # (a finite row's sum stays finite: sum(x) * 0 is as good, one pass fewer; and it is
             # the NaN row of x and of what x was scaled from, for later checks)
-            axes_ = self.const(list(axes), np.int64)
-            total = self.node("ReduceSum", [self.name_of(x), axes_], keepdims=1)
+            total = self.node("ReduceSum", [src, self.const(red, np.int64)], keepdims=1)
             total = self.node("Mul", [total[0], self.const(0, aval.dtype)])
+            named = self.node("Reshape", [total[0], self.const(list(kept), np.int64)])[0]
             v = x
             while v is not None and shaped_aval(v).shape == aval.shape:
-                self.rows.setdefault(v, (total[0], kept))
+                self.rows.setdefault(v, (named, kept))
                 v = self.same_rows.get(v)
         elif tuple(axes) == (aval.ndim - 1,) and aval.shape[-1] >= wide and aval.size >= large:
             zeros = self.const(np.zeros((aval.shape[-1], 1), aval.dtype))
-            total = self.node("MatMul", [self.name_of(x), zeros])
+            total = self.node("MatMul", [src, zeros])
         else:
-            zero = self.const(0, aval.dtype)
-            times = self.node("Mul", [self.name_of(x), zero])
-            total = self.node("ReduceSum", [times[0], self.const(list(axes), np.int64)])
+            times = self.node("Mul", [src, self.const(0, aval.dtype)])
+            total = self.node("ReduceSum", [times[0], self.const(red, np.int64)])
         flat = self.node("Reshape", [total[0], self.const(list(shape), np.int64)])
         return self.node("Abs", flat)[0]
 
