@@ -544,25 +544,20 @@ class _Exporter:
             self.quantized[out] = (src, s, zp_ref)
         return out
 
-    def rescaled(self, e: C.JaxprEqn) -> tuple[C.JaxprEqn, list[C.JaxprEqn], np.ndarray, int]:
-        """For an 8-bit dot whose result is only read as ``float(dot - w) * y``, with ``w`` a
-        constant zero-point term and ``y`` constant scales per output column: the equation that
-        writes ``* y``, those between, ``y``, and the activation zero point ``c`` for which
-        ``w = c * (column sums of the weights)``, checked on the values. Raises _NoMatch when
-        the dot is not read that way."""
+    def int_rescale(
+        self, v: Any, n: int
+    ) -> tuple[np.ndarray | None, list[C.JaxprEqn], C.JaxprEqn, np.ndarray]:
+        """For an int32 sum ``v`` only read as ``float(v - t) * y``, ``t`` constant (or no
+        subtraction) and ``y`` constant float32, one or ``n`` along the last axis: ``t`` (None:
+        none), the subtraction and cast, the equation that writes ``* y``, and ``y``. Raises
+        _NoMatch when ``v`` is not read that way."""
         g = self.graph
-        (_, cy), (bx, _) = e.params["dimension_numbers"]
-        weights = self.value(e.invars[1])
-        ya = shaped_aval(e.invars[1])
-        fy = [d for d in range(ya.ndim) if d not in cy]
-        if bx or weights is None or weights.dtype != np.int8 or len(fy) != 1:
-            raise _NoMatch("not a dot with constant int8 weights and one output axis")
-        v, chain, w = e.outvars[0], [], None
+        shape, chain, term = shaped_aval(v).shape, [], None
         sub = g.sole_user(v, "sub")
         if sub is not None and sub.invars[0] is v:
-            w = self.value(sub.invars[1])
-            if w is None:
-                raise _NoMatch("a zero-point term computed at run time (asymmetric weights)")
+            term = self.value(sub.invars[1])
+            if term is None:
+                raise _NoMatch("a zero-point term computed at run time")
             chain.append(sub)
             v = sub.outvars[0]
         cast = g.sole_user(v, "convert_element_type")
@@ -570,15 +565,29 @@ class _Exporter:
             raise _NoMatch("not cast to float32")
         chain.append(cast)
         mul = g.sole_user(cast.outvars[0], "mul")
-        shape = shaped_aval(e.outvars[0]).shape
-        n = ya.shape[fy[0]]
         y = None
         if mul is not None and shaped_aval(mul.outvars[0]).shape == shape:
             y = self.value(mul.invars[1] if mul.invars[0] is cast.outvars[0] else mul.invars[0])
         if mul is None or y is None or y.dtype != np.float32 or y.size not in (1, n):
-            raise _NoMatch("not scaled by constant float32 scales per column")
+            raise _NoMatch("not scaled by constant float32 scales per output")
         if y.size > 1 and y.shape[-1] != n:
-            raise _NoMatch("scales along another axis than the columns")
+            raise _NoMatch("scales along another axis than the outputs")
+        return term, chain, mul, y
+
+    def rescaled(self, e: C.JaxprEqn) -> tuple[C.JaxprEqn, list[C.JaxprEqn], np.ndarray, int]:
+        """For an 8-bit dot whose result is only read as ``float(dot - w) * y``, with ``w`` a
+        constant zero-point term and ``y`` constant scales per output column: the equation that
+        writes ``* y``, those between, ``y``, and the activation zero point ``c`` for which
+        ``w = c * (column sums of the weights)``, checked on the values. Raises _NoMatch when
+        the dot is not read that way."""
+        (_, cy), (bx, _) = e.params["dimension_numbers"]
+        weights = self.value(e.invars[1])
+        ya = shaped_aval(e.invars[1])
+        fy = [d for d in range(ya.ndim) if d not in cy]
+        if bx or weights is None or weights.dtype != np.int8 or len(fy) != 1:
+            raise _NoMatch("not a dot with constant int8 weights and one output axis")
+        n = ya.shape[fy[0]]
+        w, chain, mul, y = self.int_rescale(e.outvars[0], n)
         cols = np.transpose(weights, [*cy, *fy]).reshape(-1, n).astype(np.int64).sum(0)
         c = 0
         if w is not None:
@@ -729,8 +738,8 @@ class _Exporter:
             here = self.centered(d, n)
             if plus is None or here is None or shaped_aval(d).shape != tuple(shape):
                 continue
-            i = 0 if self.value(plus.invars[1]) is not None else 1
-            eps = self.value(plus.invars[1 - i] if i == 1 else plus.invars[1])
+            i = 0 if self.value(plus.invars[1]) is not None else 1  # (var + eps, or eps + var)
+            eps = self.value(plus.invars[1 - i])
             sq = g.made_by(self.mean_of(plus.invars[i], n), "square", "integer_pow", "mul")
             if eps is None or eps.size != 1 or sq is None:
                 continue
@@ -1020,24 +1029,9 @@ class _Exporter:
         ):
             raise _NoMatch("not a channels-last int8 convolution with constant weights")
         n = out.shape[-1]
-        v, term, chain = e.outvars[0], None, []
-        sub = g.sole_user(v, "sub")
-        if sub is not None and sub.invars[0] is v:
-            term = self.value(sub.invars[1])
-            if term is None or term.ndim != rank or term.shape[0] != 1:
-                raise _NoMatch("a zero-point term computed at run time, or per sample")
-            chain.append(sub)
-            v = sub.outvars[0]
-        cast = g.sole_user(v, "convert_element_type")
-        if cast is None or np.dtype(cast.params["new_dtype"]) != np.float32:
-            raise _NoMatch("not cast to float32")
-        mul = g.sole_user(cast.outvars[0], "mul")
-        other = None if mul is None else mul.invars[1 if mul.invars[0] is cast.outvars[0] else 0]
-        y = None if other is None else self.value(other)
-        if mul is None or y is None or y.dtype != np.float32 or y.size not in (1, n):
-            raise _NoMatch("not scaled by constant float32 scales per channel")
-        if y.size > 1 and y.shape[-1] != n:
-            raise _NoMatch("scales along another axis than the channels")
+        term, chain, mul, y = self.int_rescale(e.outvars[0], n)
+        if term is not None and (term.ndim != rank or term.shape[0] != 1):
+            raise _NoMatch("a zero-point term per sample")
         scale = np.broadcast_to(y.reshape(-1), (n,)).astype(np.float64)
         adds, bias, row = self.biased(mul, y.size)
         last = adds[-1] if adds else mul
@@ -1117,7 +1111,7 @@ class _Exporter:
         moved = self.node("Sub", [wide[0], self.const(128, np.int16)])
         codes_i8 = self.node("Cast", moved, to=self.onnx.TensorProto.INT8)[0]
         self.u8[codes_i8] = twin
-        self.done.update({id(q): None for q in [*chain, cast, mul, *adds, *quantize]})
+        self.done.update({id(q): None for q in [*chain, mul, *adds, *quantize]})
         self.done[id(codes)] = (codes_i8, None)
         if any(u.primitive.name == "is_finite" for u in g.readers[last.outvars[0]]):
             # (read only for its NaN rows: it shares the row's, its float part being bounded)
