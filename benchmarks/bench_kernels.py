@@ -79,38 +79,62 @@ def dots(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
 
 
 def convs(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
-    """3x3 NHWC convolutions (zero-padded input, as realize pads with the zero point)."""
+    """3x3 NHWC convolution layers as realize writes them: the convolution (float; s8 -> s32; or
+    the codes' exact sums carried in f32) on a zero-padded input, times scales, plus bias, ReLU,
+    then (``pool``) a 2x2 max pooling, and the next layer's quantize (int8 routes). The pooling
+    decides: XLA:CPU fuses a float convolution with its epilogue and pooling."""
 
     def conv(x: jax.Array, w: jax.Array, pref: Any = None) -> jax.Array:
         return lax.conv_general_dilated(
             x, w, (1, 1), "VALID", dimension_numbers=DN, preferred_element_type=pref
         )
 
-    f32 = jax.jit(conv)
-    s8 = jax.jit(lambda x, w: conv(x, w, jnp.int32).astype(jnp.float32))
-    carry = jax.jit(lambda x, w: conv(x.astype(jnp.float32), w.astype(jnp.float32)))
+    def layer(acc: jax.Array, s: jax.Array, b: jax.Array, pool: bool) -> jax.Array:
+        y = jax.nn.relu(acc * s + b)
+        if pool:
+            y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        return y
+
+    def requantize(y: jax.Array) -> jax.Array:
+        return jnp.clip(jnp.round(y / jnp.float32(0.05)) - 3, -128, 127).astype(jnp.int8)
+
     rows = []
-    for batch in (256, 8):
-        for cin, cout in CONVS:
-            shape = (batch, 10, 10, cin)
-            xf = rng.normal(size=shape).astype(np.float32)
-            wf = rng.normal(size=(3, 3, cin, cout)).astype(np.float32)
-            xi, wi = codes(rng, shape), codes(rng, (3, 3, cin, cout))
-            fs = {
-                "float": (f32, (xf, wf)),
-                "s8": (s8, (xi, wi)),
-                "f32 carry": (carry, (xi, wi)),
-            }
-            rows.append(
-                {
-                    "op": "conv",
-                    "shape": f"{batch}x8x8 {cin}->{cout}",
-                    "batch": batch,
-                    "cin": cin,
-                    "cout": cout,
-                    **paired(fs, reps),
-                }
+    for pool in (False, True):
+        f32 = jax.jit(lambda x, w, s, b, p=pool: layer(conv(x, w), 1.0, b, p))
+        s8 = jax.jit(
+            lambda x, w, s, b, p=pool: requantize(
+                layer(conv(x, w, jnp.int32).astype(jnp.float32), s, b, p)
             )
+        )
+        carry = jax.jit(
+            lambda x, w, s, b, p=pool: requantize(
+                layer(conv(x.astype(jnp.float32) + 3, w.astype(jnp.float32)), s, b, p)
+            )
+        )
+        for batch in (256, 8):
+            for cin, cout in CONVS:
+                shape = (batch, 10, 10, cin)
+                xf = rng.normal(size=shape).astype(np.float32)
+                wf = rng.normal(size=(3, 3, cin, cout)).astype(np.float32)
+                xi, wi = codes(rng, shape), codes(rng, (3, 3, cin, cout))
+                scale = (rng.random(cout) * 1e-3).astype(np.float32)
+                bias = rng.normal(size=cout).astype(np.float32)
+                fs = {
+                    "float": (f32, (xf, wf, scale, bias)),
+                    "s8": (s8, (xi, wi, scale, bias)),
+                    "f32 carry": (carry, (xi, wi, scale, bias)),
+                }
+                rows.append(
+                    {
+                        "op": "conv",
+                        "shape": f"{batch}x8x8 {cin}->{cout}{' pool' if pool else ''}",
+                        "batch": batch,
+                        "cin": cin,
+                        "cout": cout,
+                        "pool": pool,
+                        **paired(fs, reps),
+                    }
+                )
     return rows
 
 
@@ -179,16 +203,20 @@ def implied(rows: list[dict[str, Any]]) -> dict[str, Any]:
         (0, *sorted({r["m"] for r in dot + one})),
         key=lambda c: (_cost(dot + one, route(c)), c),
     )
-    conv = [r for r in rows if r["op"] == "conv"]
     widest = lambda r: max(r["cin"], r["cout"])
-    channels = min(
-        sorted({widest(r) + 1 for r in conv} | {1}),
-        key=lambda t: (_cost(conv, lambda r: "s8" if widest(r) >= t else "f32 carry"), t),
-    )
+
+    def channels(conv: list[dict[str, Any]]) -> int:
+        return min(
+            sorted({widest(r) + 1 for r in conv} | {1}),
+            key=lambda t: (_cost(conv, lambda r: "s8" if widest(r) >= t else "f32 carry"), t),
+        )
+
+    conv = [r for r in rows if r["op"] == "conv"]
     return {
         "float_carry_max_rows": carry,
         "s8_pad_single_row": pad,
-        "s8_conv_min_channels": channels,
+        "s8_conv_min_channels": channels([r for r in conv if not r.get("pool")]),
+        "s8_pooled_conv_min_channels": channels([r for r in conv if r.get("pool")]),
     }
 
 

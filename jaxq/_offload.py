@@ -41,12 +41,18 @@ from jaxq.transform import PassContext, Sequential, fold_constants
 
 TUNING = {
     "onnxruntime": Tuning(
-        float_carry_max_rows=0, s8_pad_single_row=False, s8_conv_min_channels=1, conv_taps_max=0
+        float_carry_max_rows=0,
+        s8_pad_single_row=False,
+        s8_conv_min_channels=1,
+        s8_pooled_conv_min_channels=1,
+        conv_taps_max=0,
+        pool_codes=True,
     ),
 }
 """How realize lowers for a backend's kernels: ONNX Runtime's integer GEMM takes every dot and
 convolution in int8 (XLA:CPU's lowering tricks, f32-carried sums and shifted-slice convolutions,
-only cost it extra elementwise ops)."""
+only cost it extra elementwise ops), and max pooling on codes lets a convolution requantize
+straight to the next layer's codes (one ``QLinearConv``)."""
 
 
 class OffloadWarning(UserWarning):

@@ -1,5 +1,6 @@
 """End to end: annotate / calibrate / realize, realized vs simulated, QAT, re-specialization."""
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -489,31 +490,64 @@ def test_accumulator_overflow_is_an_error():
         Q(big, calibration=[(x,)], progress=False)
 
 
-def test_pass_through_ops_stay_in_the_integer_domain():
+def _conv_net(x, pool):
+    with jax.named_scope("Conv_0"):
+        h = lax.conv_general_dilated(
+            x, K1, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+    h = jax.nn.relu(h)
+    if pool:
+        h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    h = jnp.transpose(h, (0, 3, 1, 2)).reshape(x.shape[0], -1)
+    with jax.named_scope("Dense_0"):
+        return h @ WC[: h.shape[1]]
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["relu", "relu+pool"])
+def test_pass_through_ops_stay_in_the_integer_domain(pool):
     from jaxq.quantize._lower import lower
     from jaxq.quantize._realize import realize_handler
 
-    def net(x):
-        with jax.named_scope("Conv_0"):
-            h = lax.conv_general_dilated(
-                x, K1, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-            )
-        h = jax.nn.relu(h)
-        h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-        h = jnp.transpose(h, (0, 3, 1, 2)).reshape(x.shape[0], -1)
-        with jax.named_scope("Dense_0"):
-            return h @ WC[:16]
-
+    net = functools.partial(_conv_net, pool=pool)
     qf = Q(net, calibration=[(XI,)], progress=False)
     text = str(qf.program)
-    for op in ("reduce_window_max", "transpose", "reshape", "max"):
+    for op in ("transpose", "reshape") if pool else ("transpose", "reshape", "max"):
         assert re.search(rf"int8\[[0-9,]+\]\S* = {op}", text), op
+    # max pooling stays in float: XLA fuses it with the convolution's epilogue (a 4x smaller
+    # tensor is quantized after it)
+    assert not re.search(r"int8\[[0-9,]+\]\S* = reduce_window_max", text)
+    if pool:  # unless the tuning pools codes (ONNX Runtime's QLinearConv wants them): exact too
+        with pinned(dataclasses.replace(ROUTES, pool_codes=True)):
+            coded = Q(net, calibration=[(XI,)], progress=False)
+            assert re.search(r"int8\[[0-9,]+\]\S* = reduce_window_max", str(coded.specialize(XI)))
+            np.testing.assert_array_equal(np.asarray(coded(XI)), np.asarray(qf(XI)))
     state = get_state(qf.program, "t")
     plain, _ = lower(state, realize_handler(state), integer_chains=False)  # quantize at the dot
-    assert not re.search(r"int8\[[0-9,]+\]\S* = reduce_window_max", str(plain))
+    assert not re.search(r"int8\[[0-9,]+\]\S* = (transpose|reshape)", str(plain))
     np.testing.assert_array_equal(np.asarray(qf(XI)), np.asarray(plain(XI)))
     sim = Q(net, calibration=[(XI,)], mode="simulate", progress=False)
     np.testing.assert_allclose(np.asarray(qf(XI)), np.asarray(sim(XI)), atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["relu", "relu+pool"])
+def test_a_pooled_convolution_has_its_own_route_to_the_same_integers(pool):
+    from jaxq.quantize._realize import pooled_outputs
+
+    net = functools.partial(_conv_net, pool=pool)
+    s8 = Tuning(float_carry_max_rows=1, s8_conv_min_channels=1, s8_pooled_conv_min_channels=1)
+    pooled_f32 = dataclasses.replace(s8, s8_pooled_conv_min_channels=10**6)
+    outs = []
+    for tune in (s8, pooled_f32):
+        with pinned(tune):
+            qf = Q(net, calibration=[(XI,)], progress=False)
+            text = str(qf.specialize(XI))
+            outs.append(np.asarray(qf(XI)))
+        s8_conv = re.search(r"int32\[[0-9,]+\]\S* = conv_general_dilated", text) is not None
+        assert s8_conv == (tune is s8 or not pool)
+    assert pooled_outputs(get_state(qf.program, "t").source) == (
+        {"Conv_0/conv_general_dilated"} if pool else set()
+    )
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_rule_quantizes_a_bias_add_weights_only():

@@ -1,5 +1,6 @@
-"""Integer pass-through chains (realize): shape ops, max pooling and ReLU that run on int8 codes
-between two quantized layers instead of dequantizing and quantizing again."""
+"""Integer pass-through chains (realize): shape ops, ReLU and (where the tuning says so) max
+pooling that run on int8 codes between two quantized layers instead of dequantizing and quantizing
+again."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxq.quantize._state import (
     QState,
     shaped_aval,
 )
+from jaxq.quantize._tuning import current_tuning
 
 # ---- integer pass-through ---------------------------------------------------------------------
 
@@ -51,6 +53,8 @@ _SHAPE_PASS = (
     "reduce_window_max",
 )
 PASS_THROUGH = (*_SHAPE_PASS, "max", "custom_jvp_call")
+_POOLS = ("reduce_window_max",)
+"""Pass-through equations a chain takes only where the tuning says so (``Tuning.pool_codes``)."""
 
 
 def _is_zero(atom: Any) -> bool:
@@ -91,9 +95,11 @@ def passthrough_input(eqn: C.JaxprEqn) -> int | None:
 
 def plan_chains(source: Program, state: QState) -> dict[str, str]:
     """Equations (by name) whose single-use outputs only feed, through pass-through equations, the
-    activation operand of a statically quantized equation: they run on int8 codes in realize."""
+    activation operand of a statically quantized equation: they run on int8 codes in realize.
+    Max pooling runs on codes only where the tuning in force says so (``Tuning.pool_codes``)."""
     jaxpr = source.jaxpr.jaxpr
     names = source.names
+    pool_codes = current_tuning().pool_codes
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     uses = C.use_counts(jaxpr.eqns, jaxpr.outvars)
     chains: dict[str, str] = {}
@@ -113,7 +119,7 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
         while not C.is_literal(v) and v in producer and uses.get(v) == 1:
             j = producer[v]
             k = passthrough_input(jaxpr.eqns[j])
-            if k is None:
+            if k is None or (jaxpr.eqns[j].primitive.name in _POOLS and not pool_codes):
                 break
             chains[names[(j,)]] = name
             v = jaxpr.eqns[j].invars[k]

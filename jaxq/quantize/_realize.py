@@ -12,9 +12,10 @@
   precomputed. Padded positions of a convolution hold code 0; the zero-point terms of each
   window's real positions are convolutions of a mask (constants XLA folds).
 * Convolutions XLA:CPU has no fast int8 kernel for carry their exact integer sums in f32 (bound
-  < 2**24): any layout but channels-last, and too few channels (``_tuning``); those with at most
-  16 products per output (a 3x3 kernel on one channel) run as shifted slices times weight rows in
-  one fused loop.
+  < 2**24): any layout but channels-last, too few channels, and (on some builds) those whose
+  output is max-pooled, as a float convolution fuses with its pooling (``_tuning``); those with
+  at most 16 products per output (a 3x3 kernel on one channel) run as shifted slices times weight
+  rows in one fused loop.
 * Requantize: the int32 accumulator times the float scale ``sa * sw`` (fused by XLA), or an
   integer-only fixed-point multiplier and rounding shift to int8 codes (``_fixed_point``), which are
   then dequantized at the float boundary.
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq._walk import Visit
 from jaxq.quantize import _fixed_point as F
@@ -336,8 +338,45 @@ def _conv_by_taps(x: jax.Array, w: jax.Array, p: Any, out_shape: tuple[int, ...]
     return jnp.transpose(acc, tuple(int(d) for d in np.argsort(dn.out_spec)))
 
 
+def pooled_outputs(source: Program) -> set[str]:
+    """Names of the equations whose output reaches a max pooling only through elementwise
+    equations of one use each (a bias, ReLU): the convolutions XLA:CPU can fuse with their
+    pooling when they run in float (see ``Tuning.s8_pooled_conv_min_channels``)."""
+    jaxpr = source.jaxpr.jaxpr
+    consumer = {v: e for e in jaxpr.eqns for v in e.invars if not C.is_literal(v)}
+    uses = C.use_counts(jaxpr.eqns, jaxpr.outvars)
+    pooled = set()
+    for i, e in enumerate(jaxpr.eqns):
+        if e.primitive.name != "conv_general_dilated":
+            continue
+        (v,) = e.outvars
+        shape = shaped_aval(v).shape
+        while uses.get(v) == 1 and v in consumer:
+            nxt = consumer[v]
+            if nxt.primitive.name == "reduce_window_max":
+                pooled.add(source.names[(i,)])
+                break
+            if nxt.primitive.name not in _EPILOGUE or len(nxt.outvars) != 1:
+                break
+            v = nxt.outvars[0]
+            if shaped_aval(v).shape != shape:
+                break
+    return pooled
+
+
+_EPILOGUE = ("add", "sub", "mul", "max", "min", "custom_jvp_call", "pjit", "jit")
+"""Equations that may lie between a convolution and its pooling (shape-preserving ones only)."""
+
+
 def _int_conv(
-    visit: Visit, site: Site, qw: QWeight, a: jax.Array, sa: Any, za: Any, exact_f32: bool
+    visit: Visit,
+    site: Site,
+    qw: QWeight,
+    a: jax.Array,
+    sa: Any,
+    za: Any,
+    exact_f32: bool,
+    pooled: bool,
 ) -> tuple[jax.Array, Any]:
     p = visit.params
     dn = p["dimension_numbers"]
@@ -391,7 +430,8 @@ def _int_conv(
     )
     a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
     c_in, c_out = a_shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]]
-    s8_fast = _channels_last(dn) and max(c_in, c_out) >= tune.s8_conv_min_channels
+    min_channels = tune.s8_pooled_conv_min_channels if pooled else tune.s8_conv_min_channels
+    s8_fast = _channels_last(dn) and max(c_in, c_out) >= min_channels
     f32_carry = exact_f32 and (direct or not s8_fast)
     qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32 if f32_carry else jnp.int8)
     if f32_carry:
@@ -550,6 +590,7 @@ def _gather_rows(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
 
 def realize_handler(state: QState) -> SiteHandler:
     config = state.config
+    pooled = pooled_outputs(state.source)
 
     def handle(visit: Visit, site: Site, qw: QWeight, invals: list[Any], act: Any) -> Any:
         _check_bits(site)
@@ -575,7 +616,8 @@ def realize_handler(state: QState) -> SiteHandler:
                 visit, site, qw, a, sa, za, bound < 2**24, config.nan_rows
             )
         else:
-            (acc, scale), nan_rows = _int_conv(visit, site, qw, a, sa, za, bound < 2**24), False
+            acc, scale = _int_conv(visit, site, qw, a, sa, za, bound < 2**24, site.name in pooled)
+            nan_rows = False
         # (fixed-point requantization goes through int32, which drops a NaN the sums carry)
         native = nan_rows and config.requantize == "float"
         bad = None if native or not config.nan_rows else nonfinite_rows(visit, site, a)

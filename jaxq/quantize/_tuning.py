@@ -28,6 +28,16 @@ class Tuning:
     """Channels-last convolutions run the s8 kernel when their input or output channels reach
     this; narrower ones carry their sums in f32 (measured: 16 -> 16 and 16 -> 8 run 3-7x slower
     in s8 than in f32, 32 -> 16 and 4 -> 32 do not)."""
+    s8_pooled_conv_min_channels: int = 17
+    """The same for a convolution whose output reaches a max pooling through elementwise ops (a
+    bias, ReLU): XLA:CPU fuses a float convolution with such an epilogue and pooling into one
+    kernel, which the s8 convolution's int32 output does not get (measured on jax 0.10.2, batch
+    256: 32 -> 32 with its pooling 1.45x float's time in s8, 0.93x carried in f32)."""
+    pool_codes: bool = False
+    """Max pooling between a convolution and the next quantized layer runs on int8 codes (else in
+    float, before the next layer quantizes the pooled tensor: XLA:CPU fuses it with the
+    convolution's epilogue: bench_quantize's CNN at batch 256 on jax 0.12 went from 1.17x to
+    1.46x of float's speed)."""
     s8_pad_single_row: bool = True
     """A one-row matmul that does not carry f32 sums runs the s8 kernel on its row twice (some
     builds widen a one-row s8 dot to s32)."""
@@ -39,11 +49,19 @@ class Tuning:
 TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
     # (jax version measured on, its entry), 2-core AVX-512 VNNI, by benchmarks/bench_kernels.py.
     # Convolutions: 16 -> 16 and 16 -> 8 run 3-7x slower in s8 than f32 on both versions, 32 -> 16
-    # and 4 -> 32 do not. One-row matmuls: the three routes are within +-10% of each other in
-    # whole models at batch 1 (dispatch dominates), except that duplicating the row cost 1.9x
-    # in a 64-512-512-10 MLP with biases and constant weights on both versions: f32 sums, on both.
-    ((0, 10, 2), Tuning(float_carry_max_rows=1, s8_pad_single_row=True, s8_conv_min_channels=17)),
-    ((0, 12, 0), Tuning(float_carry_max_rows=1, s8_pad_single_row=True, s8_conv_min_channels=17)),
+    # and 4 -> 32 do not. Followed by a max pooling, the f32 sums fuse with it and are faster at
+    # every measured width on 0.10.2; on 0.12 s8 still is from 17 channels. One-row matmuls: the
+    # three routes are within +-10% of each other in whole models at batch 1 (dispatch dominates),
+    # except that duplicating the row cost 1.9x in a 64-512-512-10 MLP with biases and constant
+    # weights on both versions: f32 sums, on both.
+    (
+        (0, 10, 2),
+        Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, s8_pooled_conv_min_channels=65),
+    ),
+    (
+        (0, 12, 0),
+        Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, s8_pooled_conv_min_channels=17),
+    ),
 )
 
 
