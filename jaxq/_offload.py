@@ -80,9 +80,10 @@ def _register(backend: str) -> None:
 class OffloadedFunction:
     """``qf``'s integer function with its backend-supported code in ``backend``'s kernels.
 
-    Call it like ``qf`` (``fast(x)``), eagerly or under ``jax.jit`` / ``jax.vmap`` (the backend
-    runs through ``jax.pure_callback``). Each new input shape is traced, partitioned and built
-    once. ``fast.regions(x)`` lists what runs where for inputs like ``x``; ``fast.program(x)`` is
+    Call it like ``qf`` (``fast(x)``), eagerly or under ``jax.jit`` / ``jax.vmap`` (XLA calls
+    ONNX Runtime on its own buffers through an FFI call, or through ``jax.pure_callback`` where
+    jaxq's small C++ crossing cannot be built; see the partition docs). Each new input shape
+    is traced, partitioned and built once. ``fast.regions(x)`` lists what runs where for inputs like ``x``; ``fast.program(x)`` is
     the partitioned Program.
     """
 

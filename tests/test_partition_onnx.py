@@ -43,9 +43,15 @@ def partitioned():
     )
 
 
-def test_regions_run_in_onnxruntime():
+@pytest.mark.parametrize("crossing", ["ffi", "pure_callback"])
+def test_regions_run_in_onnxruntime(crossing, monkeypatch):
+    from jaxq.partition import _ort_ffi
     from jaxq.partition._onnx import onnx_codegen
 
+    if crossing == "pure_callback":  # where the C++ crossing does not build
+        monkeypatch.setattr(_ort_ffi, "library", lambda: None)
+    elif _ort_ffi.library() is None:
+        pytest.skip("the FFI crossing does not build here (no C++ compiler?)")
     made = []
 
     def spy(region):
@@ -62,14 +68,22 @@ def test_regions_run_in_onnxruntime():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(model(X)), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     # each region was exported and ran once in its own ONNX Runtime session
-    assert [r.calls[0] for r in made] == [1, 1]
+    assert [r.calls() for r in made] == [1, 1]
     assert all(r.session.get_providers() == ["CPUExecutionProvider"] for r in made)
     ops = {n.op_type for r in made for n in r.model.graph.node}
     assert {"MatMul", "Tanh", "Max", "Reshape", "ReduceSum", "Transpose"} <= ops
     assert "Expand" not in ops  # (each broadcast feeds an op that broadcasts by itself)
-    assert "pure_callback" in str(jax.make_jaxpr(fn)(X))  # jittable through a host callback
-    fn(X)
-    assert [r.calls[0] for r in made] == [2, 2]
+    assert all(r.crossing == crossing for r in made)
+    # jittable: XLA calls ONNX Runtime on its own buffers, or through a host callback
+    primitive = "ffi_call" if crossing == "ffi" else "pure_callback"
+    assert primitive in str(jax.make_jaxpr(fn)(X))
+    jax.jit(fn)(X)
+    assert [r.calls() for r in made] == [2, 2]
+    batch = np.stack([X, 2 * X])  # vmap: one call per element
+    got, want = jax.vmap(fn)(batch), jax.vmap(model)(batch)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert [r.calls() for r in made] == [4, 4]
 
 
 def test_registered_onnxruntime_backend_and_export():
@@ -92,3 +106,13 @@ def test_unexportable_region_is_named_and_can_fall_back():
     with pytest.warns(P.BackendFallbackWarning, match="A_lambda_0"):
         fn = P.build(prog, backends={"A": "onnxruntime"}, fallback="xla")
     np.testing.assert_allclose(fn(X), jnp.cumsum(X, axis=0) + 1.0, rtol=1e-6)
+
+
+def test_ffi_crossing_names_what_onnxruntime_rejects():
+    from jaxq.partition import _ort_ffi
+
+    lib = _ort_ffi.library()
+    if lib is None:
+        pytest.skip("the FFI crossing does not build here (no C++ compiler?)")
+    with pytest.raises(RuntimeError, match="ONNX Runtime could not open the model: .*"):
+        _ort_ffi.Session(lib, "r", b"not an onnx model", ["in0"], ["out0"])

@@ -30,10 +30,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxq import _compat as C
 from jaxq._program import Program
+from jaxq.partition import _ort_ffi
 from jaxq.partition._backends import BackendError, callback_runner, register_backend, shaped_aval
 
 OPSET = 18
@@ -1390,42 +1392,73 @@ def _fused_kernels_run() -> bool:
         return False
 
 
-def onnx_codegen(region: Program, *, exact: bool = False) -> Callable[..., Sequence[Any]]:
-    """Export the region (``exact``: see export_onnx) and open an ONNX Runtime session for it
-    (CPU execution provider). The returned callable carries ``.model``, ``.session`` and
-    ``.calls`` (how many times the session ran)."""
-    try:
+class OrtRegion:
+    """A region running in ONNX Runtime (what :func:`onnx_codegen` returns): call it on the
+    region's operands, under ``jit`` or not. XLA calls the session on its own buffers through an
+    FFI call where jaxq's small C++ crossing builds (``_ort_ffi``), else through
+    ``jax.pure_callback``."""
+
+    def __init__(self, region: Program, model: Any) -> None:
+        self.model = model
+        """The exported ``onnx.ModelProto``."""
+        self._region = region
+        self._data = model.SerializeToString()
+        self._inputs = [i.name for i in model.graph.input]
+        self._result = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in region.jaxpr.out_avals]
+        lib = _ort_ffi.library()
+        self.crossing = "ffi" if lib is not None else "pure_callback"
+        """How XLA reaches ONNX Runtime: ``"ffi"`` or ``"pure_callback"``."""
+        self._count = [0]
+        if lib is not None:
+            outputs = [o.name for o in model.graph.output]
+            self._native = _ort_ffi.Session(lib, region.name, self._data, self._inputs, outputs)
+        else:
+            self._host = callback_runner(region, self._run_host)
+
+    @functools.cached_property
+    def session(self) -> Any:
+        """An ``onnxruntime.InferenceSession`` on the model (the pure_callback crossing runs it;
+        opened on first use otherwise)."""
         import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        # one thread per core, and idle threads sleep: spinning ORT threads next to XLA's made
+        # the XLA code beside them 3x slower on 2 cores (the FFI crossing opens its session
+        # with the same options)
+        opts.intra_op_num_threads = os.cpu_count() or 1
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        return ort.InferenceSession(self._data, opts, providers=["CPUExecutionProvider"])
+
+    def calls(self) -> int:
+        """How many times the region has run."""
+        return self._native.calls if self.crossing == "ffi" else self._count[0]
+
+    def _run_host(self, *args: Any) -> list[np.ndarray]:
+        feeds = {n: np.asarray(a) for n, a in zip(self._inputs, args, strict=True)}
+        outs = self.session.run(None, feeds)
+        self._count[0] += 1
+        return outs
+
+    def __call__(self, *args: Any) -> Sequence[Any]:
+        if self.crossing == "ffi":
+            return self._native(self._result, *args)
+        return self._host(*args)
+
+
+def onnx_codegen(region: Program, *, exact: bool = False) -> OrtRegion:
+    """Export the region (``exact``: see export_onnx) and open an ONNX Runtime session for it
+    (CPU execution provider)."""
+    try:
+        import onnxruntime  # noqa: F401
     except ImportError as e:
         raise BackendError(
             "the onnxruntime backend needs the 'onnxruntime' package: pip install onnxruntime "
             "(or jaxq[onnx])"
         ) from e
-    model = export_onnx(region, onnxruntime_ops=_fused_kernels_run(), exact=exact)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    # one thread per core, and idle threads sleep: spinning ORT threads next to XLA's made the
-    # XLA code beside them 3x slower on 2 cores
-    opts.intra_op_num_threads = os.cpu_count() or 1
-    opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    session = ort.InferenceSession(
-        model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
-    )
-    names = [i.name for i in session.get_inputs()]
-    calls = [0]
-
-    def host(*args: Any) -> list[np.ndarray]:
-        outs = session.run(None, {n: np.asarray(a) for n, a in zip(names, args, strict=True)})
-        calls[0] += 1
-        return outs
-
-    run = callback_runner(region, host)
-    run.model = model  # type: ignore[attr-defined]
-    run.session = session  # type: ignore[attr-defined]
-    run.calls = calls  # type: ignore[attr-defined]
-    return run
+    return OrtRegion(region, export_onnx(region, onnxruntime_ops=_fused_kernels_run(), exact=exact))
 
 
 register_backend("onnxruntime", onnx_codegen)
