@@ -461,6 +461,9 @@ def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
     x[1, 2, 3, 0] = np.nan  # (a NaN row still comes out NaN, through the fused layers)
     assert np.array_equal(np.isnan(np.asarray(fast(x))), np.isnan(np.asarray(qf(x))))
+    # the later layers' NaN checks are the first one's NaN row, reshaped: one reduction in all
+    ops = [n.op_type for n in export_onnx(region.program()).graph.node]
+    assert ops.count("ReduceSum") == 1 and not {"IsNaN", "Where", "ReduceMax"} & set(ops)
 
 
 def test_nan_rows_known_from_an_earlier_layer_are_not_checked_again():

@@ -207,6 +207,11 @@ class _Exporter:
         """int8 values cast from float: the float value and its dtype (see shifted_u8)."""
         self.negations: dict[str, str] = {}
         """Values that are a ``Not`` of another: that other one."""
+        self.unsigned: set[str] = set()
+        """Values an ``Abs`` wrote (no -0, no negative value)."""
+        self.isnan_of: dict[str, str] = {}
+        """Bool values that are ``IsNaN`` of a NaN row (NaN or zero, no other value), reshaped
+        any way: that row."""
         self.broadcasting: set[Any] = set()
         """Values whose every use is an op that broadcasts numpy-style (no Expand needed)."""
         self.quantized: dict[str, tuple[str, str, Any]] = {}
@@ -254,11 +259,16 @@ class _Exporter:
     def reshape(self, x: str, shape: Sequence[int]) -> str:
         if x in self.values:  # a constant (a weight): folded here, so it stays an initializer
             return self.const(self.values[x].reshape(shape))
-        return self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
+        out = self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
+        if x in self.unsigned:
+            self.unsigned.add(out)
+        return out
 
     def node(self, op: str, ins: list[str], n_out: int = 1, **attrs: Any) -> list[str]:
         outs = [self.fresh() for _ in range(n_out)]
         self.nodes.append(self.helper.make_node(op, ins, outs, **attrs))
+        if op == "Abs":
+            self.unsigned.add(outs[0])
         return outs
 
     def run(self, jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[str]) -> list[str]:
@@ -288,6 +298,14 @@ class _Exporter:
                 continue
             ins = [read(a) for a in e.invars]
             outs = self.eqn(e, ins)
+            if (  # (a reshaped isnan of a NaN row: the same row, reshaped; |x| stays >= 0)
+                e.primitive.name in _RESHAPES
+                and shaped_aval(e.outvars[0]).size == shaped_aval(e.invars[0]).size
+            ):
+                if ins[0] in self.isnan_of:
+                    self.isnan_of[outs[0]] = self.isnan_of[ins[0]]
+                if ins[0] in self.unsigned:
+                    self.unsigned.add(outs[0])
             env.update(zip(e.outvars, outs, strict=True))
             self.shadow(e, ins, outs)
         outs = [read(a) for a in jaxpr.outvars]
@@ -399,6 +417,16 @@ class _Exporter:
             op = {"reduce_sum": "ReduceSum", "reduce_max": "ReduceMax", "reduce_min": "ReduceMin"}
             axes = self.const(list(p["axes"]), np.int64)
             return self.node(op[name], [ins[0], axes], keepdims=0)
+        if name == "select_n" and self.fuse and ins[0] in self.isnan_of:
+            # where(isnan(row), NaN, 0) of a NaN row is the row (its zeros made +0)
+            if_false, if_true = (self.value(a) for a in e.invars[1:])
+            plus_zero = (
+                if_false is not None and not np.any(if_false) and not np.any(np.signbit(if_false))
+            )
+            if plus_zero and if_true is not None and np.all(np.isnan(if_true)):
+                nan_row = self.isnan_of[ins[0]]
+                named = self.reshape(nan_row, out_aval.shape)
+                return [named] if nan_row in self.unsigned else self.node("Abs", [named])
         if name == "select_n":
             which, f, t = ins
             if shaped_aval(e.invars[0]).dtype != np.bool_:
@@ -434,9 +462,24 @@ class _Exporter:
             neg = self.graph.made_by(e.invars[0], "not")
             fin = self.graph.made_by(neg.invars[0], "is_finite") if neg is not None else None
             if fin is not None and fin.invars[0] in self.finite_like:
-                return [self.expand(self.nonfinite(fin.invars[0], p["axes"]), out_aval.shape)]
+                nonfinite = self.nonfinite(fin.invars[0], p["axes"])
+                if nonfinite not in self.isnan_of:
+                    return [self.expand(nonfinite, out_aval.shape)]
+                shaped = self.reshape(nonfinite, out_aval.shape)  # (the row has the out shape)
+                self.isnan_of[shaped] = self.isnan_of[nonfinite]
+                return [shaped]
             if fin is not None:  # any(not finite(x)) as isnan(sum(x * 0)): two passes, not four
-                return self.node("IsNaN", [self.zero_sum(fin.invars[0], p["axes"], out_aval.shape)])
+                nan_row = self.zero_sum(fin.invars[0], p["axes"], out_aval.shape)
+                nonfinite = self.node("IsNaN", [nan_row])[0]
+                self.isnan_of[nonfinite] = nan_row
+                return [nonfinite]
+        if name in ("reduce_or", "reduce_and") and all(
+            shaped_aval(e.invars[0]).shape[a] == 1 for a in p["axes"]
+        ):  # (over axes of one element: the same values)
+            shaped = self.reshape(ins[0], out_aval.shape)
+            if ins[0] in self.isnan_of:
+                self.isnan_of[shaped] = self.isnan_of[ins[0]]
+            return [shaped]
         if name in ("reduce_or", "reduce_and"):  # as a max / min over 0 / 1 bytes
             u8 = self.node("Cast", ins, to=self.onnx.TensorProto.UINT8)
             axes = self.const(list(p["axes"]), np.int64)
@@ -973,8 +1016,17 @@ class _Exporter:
         row = self.finite_like[v]
         if row is None:
             return self.const(False, np.bool_)
-        flat = [shaped_aval(row).shape[i] for i in range(shaped_aval(row).ndim) if i not in axes]
-        return self.node("IsNaN", [self.zero_sum(row, axes, flat)])[0]
+        shape = shaped_aval(row).shape
+        flat = [shape[i] for i in range(len(shape)) if i not in axes]
+        if self.fuse and all(shape[i] == 1 for i in axes):  # (one row already: no reduction)
+            named = self.reshape(self.name_of(row), flat)
+            bad = self.node("IsNaN", [named])[0]
+            self.isnan_of[bad] = named
+            return bad
+        summed = self.zero_sum(row, axes, flat)
+        bad = self.node("IsNaN", [summed])[0]
+        self.isnan_of[bad] = summed
+        return bad
 
     def requantizing(self, z: Any) -> tuple[list[C.JaxprEqn], C.JaxprEqn, float, int]:
         """For a float value read only by realize's quantize to int8 codes (see quantize_form)
