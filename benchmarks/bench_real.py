@@ -54,9 +54,9 @@ def onnx_parts(f: Any, *args: Any) -> jaxq.Program:
 
 def ort_dynamic_codegen(workdir: Path) -> Any:
     """A codegen: export the region, quantize it with ONNX Runtime's ``quantize_dynamic``, run
-    the quantized model in a session (through ``jax.pure_callback``)."""
+    the quantized model in a session (through the same crossing and session options as jaxq's
+    own ONNX Runtime regions)."""
     import onnx
-    import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     def codegen(region: jaxq.Program) -> Any:
@@ -69,18 +69,7 @@ def ort_dynamic_codegen(workdir: Path) -> Any:
             weight_type=QuantType.QInt8,
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = ort.InferenceSession(str(dst), opts, providers=["CPUExecutionProvider"])
-        names = [i.name for i in session.get_inputs()]
-        result = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in region.jaxpr.out_avals]
-
-        def host(*xs: Any) -> list[np.ndarray]:
-            feeds = {n: np.asarray(x) for n, x in zip(names, xs, strict=True)}
-            return [np.asarray(o) for o in session.run(None, feeds)]
-
-        return lambda *xs: jax.pure_callback(host, result, *xs, vmap_method="sequential")
+        return P.OrtRegion(region, onnx.load(dst))  # (the crossing jaxq's own regions take)
 
     return codegen
 

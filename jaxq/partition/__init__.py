@@ -23,6 +23,7 @@ from jaxq.partition._composite import is_op as is_op
 from jaxq.partition._composite import merge_composite as merge_composite
 from jaxq.partition._composite import wildcard as wildcard
 from jaxq.partition._merge import merge_compiler_regions as merge_compiler_regions
+from jaxq.partition._onnx import OrtRegion as OrtRegion
 from jaxq.partition._onnx import export_onnx as export_onnx
 from jaxq.partition._ops import backend_ops as backend_ops
 from jaxq.partition._partition_graph import RegionInfo as RegionInfo

@@ -1445,10 +1445,14 @@ def _fused_kernels_run() -> bool:
 
 
 class OrtRegion:
-    """A region running in ONNX Runtime (what :func:`onnx_codegen` returns): call it on the
-    region's operands, under ``jit`` or not. XLA calls the session on its own buffers through an
-    FFI call where jaxq's small C++ crossing builds (``_ort_ffi``), else through
-    ``jax.pure_callback``."""
+    """A region running in ONNX Runtime: call it on the region's operands, under ``jit`` or not.
+    The ``"onnxruntime"`` backend makes one from :func:`export_onnx`'s model; a custom codegen
+    can give any ONNX model with the region's inputs and outputs (one from another quantizer)::
+
+        register_backend("ort_dynamic", lambda region: OrtRegion(region, my_model(region)))
+
+    XLA calls the session on its own buffers through an FFI call where jaxq's small C++ crossing
+    builds, else through ``jax.pure_callback`` (see above)."""
 
     def __init__(self, region: Program, model: Any) -> None:
         self.model = model
