@@ -208,7 +208,9 @@ class _Exporter:
         self.negations: dict[str, str] = {}
         """Values that are a ``Not`` of another: that other one."""
         self.unsigned: set[str] = set()
-        """Values an ``Abs`` wrote (no -0, no negative value)."""
+        """Values with no negative value and no -0 (an ``Abs``'s, reshaped or scaled)."""
+        self.reshape_of: dict[str, str] = {}
+        """Values a ``Reshape`` wrote: its input."""
         self.isnan_of: dict[str, str] = {}
         """Bool values that are ``IsNaN`` of a NaN row (NaN or zero, no other value), reshaped
         any way: that row."""
@@ -259,16 +261,22 @@ class _Exporter:
     def reshape(self, x: str, shape: Sequence[int]) -> str:
         if x in self.values:  # a constant (a weight): folded here, so it stays an initializer
             return self.const(self.values[x].reshape(shape))
-        out = self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
-        if x in self.unsigned:
-            self.unsigned.add(out)
-        return out
+        return self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
 
     def node(self, op: str, ins: list[str], n_out: int = 1, **attrs: Any) -> list[str]:
+        target = self.values.get(ins[1]) if op == "Reshape" else None
+        if target is not None and ins[0] in self.reshape_of and np.all(target != 0):
+            ins = [self.reshape_of[ins[0]], ins[1]]  # (a reshape of a reshape: one reshape)
         outs = [self.fresh() for _ in range(n_out)]
         self.nodes.append(self.helper.make_node(op, ins, outs, **attrs))
-        if op == "Abs":
+        if op == "Reshape":
+            self.reshape_of[outs[0]] = ins[0]
+        if op == "Abs" or (op == "Reshape" and ins[0] in self.unsigned):
             self.unsigned.add(outs[0])
+        elif op == "Mul" and len(ins) == 2 and any(i in self.unsigned for i in ins):
+            other = self.values.get(ins[1] if ins[0] in self.unsigned else ins[0])
+            if other is not None and np.all(other >= 0) and not np.any(np.signbit(other)):
+                self.unsigned.add(outs[0])  # (|x| times a constant >= +0)
         return outs
 
     def run(self, jaxpr: C.Jaxpr, consts: Sequence[Any], args: Sequence[str]) -> list[str]:
@@ -298,14 +306,12 @@ class _Exporter:
                 continue
             ins = [read(a) for a in e.invars]
             outs = self.eqn(e, ins)
-            if (  # (a reshaped isnan of a NaN row: the same row, reshaped; |x| stays >= 0)
+            if (  # (a reshaped isnan of a NaN row: the same row, reshaped)
                 e.primitive.name in _RESHAPES
+                and ins[0] in self.isnan_of
                 and shaped_aval(e.outvars[0]).size == shaped_aval(e.invars[0]).size
             ):
-                if ins[0] in self.isnan_of:
-                    self.isnan_of[outs[0]] = self.isnan_of[ins[0]]
-                if ins[0] in self.unsigned:
-                    self.unsigned.add(outs[0])
+                self.isnan_of[outs[0]] = self.isnan_of[ins[0]]
             env.update(zip(e.outvars, outs, strict=True))
             self.shadow(e, ins, outs)
         outs = [read(a) for a in jaxpr.outvars]
@@ -988,8 +994,12 @@ class _Exporter:
         where the op commutes with the shift: shape ops, pooling, a max or min with a constant
         (ReLU on codes), a pad with a constant. Twins nothing reads are dropped at the end."""
         name = e.primitive.name
-        if not self.u8 or np.dtype(shaped_aval(e.outvars[0]).dtype) != np.int8:
+        if np.dtype(shaped_aval(e.outvars[0]).dtype) != np.int8:
             return
+        if name in (*_SHIFT_COMMUTING, "reduce_window_max", "max", "min", "pad"):
+            for x in ins:  # (a quantize's twin: the same QuantizeLinear, zero point + 128)
+                if x in self.quantized and x not in self.u8:
+                    self.u8[x] = self.shifted_u8(x, np.int8)[0]
         twins = [self.u8.get(i) for i in ins]
         twin: list[str] | None = None
         if name in _SHIFT_COMMUTING and all(twins):
