@@ -16,8 +16,9 @@ NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, 
 where ONNX Runtime's ``ReduceMax`` drops it (as ``sum(x)`` where ``x`` is bounded, or an earlier
 layer's NaN row where it provably has the same). Unless ``exact``, a convolution that
 requantizes straight to the next layer's codes becomes one ``QLinearConv``, which rounds that
-requantize in float (each code realize's or one step from it). The session is called through
-``jax.pure_callback``, so a built program stays jittable. Needs the optional packages ``onnx``
+requantize in float (each code realize's or one step from it). XLA calls the session through an
+FFI call on its own buffers (``_ort_ffi``) or ``jax.pure_callback``, so a built program stays
+jittable. Needs the optional packages ``onnx``
 and ``onnxruntime`` (``pip install jaxq[onnx]``).
 """
 
@@ -264,14 +265,17 @@ class _Exporter:
         return self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
 
     def node(self, op: str, ins: list[str], n_out: int = 1, **attrs: Any) -> list[str]:
+        src = ins[0] if ins else None
         target = self.values.get(ins[1]) if op == "Reshape" else None
-        if target is not None and ins[0] in self.reshape_of and np.all(target != 0):
-            ins = [self.reshape_of[ins[0]], ins[1]]  # (a reshape of a reshape: one reshape)
+        if target is not None and src in self.reshape_of and np.all(target != 0):
+            ins = [self.reshape_of[src], ins[1]]  # (a reshape of a reshape: one reshape)
         outs = [self.fresh() for _ in range(n_out)]
         self.nodes.append(self.helper.make_node(op, ins, outs, **attrs))
-        if op == "Reshape":
+        if op == "Reshape":  # (the same values: what is known of them holds)
             self.reshape_of[outs[0]] = ins[0]
-        if op == "Abs" or (op == "Reshape" and ins[0] in self.unsigned):
+            if src in self.isnan_of:
+                self.isnan_of[outs[0]] = self.isnan_of[src]
+        if op == "Abs" or (op == "Reshape" and src in self.unsigned):
             self.unsigned.add(outs[0])
         elif op == "Mul" and len(ins) == 2 and any(i in self.unsigned for i in ins):
             other = self.values.get(ins[1] if ins[0] in self.unsigned else ins[0])
@@ -306,7 +310,7 @@ class _Exporter:
                 continue
             ins = [read(a) for a in e.invars]
             outs = self.eqn(e, ins)
-            if (  # (a reshaped isnan of a NaN row: the same row, reshaped)
+            if (  # (a reshaped isnan of a NaN row, however the op was written: the same row)
                 e.primitive.name in _RESHAPES
                 and ins[0] in self.isnan_of
                 and shaped_aval(e.outvars[0]).size == shaped_aval(e.invars[0]).size
@@ -471,9 +475,7 @@ class _Exporter:
                 nonfinite = self.nonfinite(fin.invars[0], p["axes"])
                 if nonfinite not in self.isnan_of:
                     return [self.expand(nonfinite, out_aval.shape)]
-                shaped = self.reshape(nonfinite, out_aval.shape)  # (the row has the out shape)
-                self.isnan_of[shaped] = self.isnan_of[nonfinite]
-                return [shaped]
+                return [self.reshape(nonfinite, out_aval.shape)]  # (the row has the out shape)
             if fin is not None:  # any(not finite(x)) as isnan(sum(x * 0)): two passes, not four
                 nan_row = self.zero_sum(fin.invars[0], p["axes"], out_aval.shape)
                 nonfinite = self.node("IsNaN", [nan_row])[0]
@@ -482,10 +484,7 @@ class _Exporter:
         if name in ("reduce_or", "reduce_and") and all(
             shaped_aval(e.invars[0]).shape[a] == 1 for a in p["axes"]
         ):  # (over axes of one element: the same values)
-            shaped = self.reshape(ins[0], out_aval.shape)
-            if ins[0] in self.isnan_of:
-                self.isnan_of[shaped] = self.isnan_of[ins[0]]
-            return [shaped]
+            return [self.reshape(ins[0], out_aval.shape)]
         if name in ("reduce_or", "reduce_and"):  # as a max / min over 0 / 1 bytes
             u8 = self.node("Cast", ins, to=self.onnx.TensorProto.UINT8)
             axes = self.const(list(p["axes"]), np.int64)
@@ -1467,7 +1466,6 @@ class OrtRegion:
     def __init__(self, region: Program, model: Any) -> None:
         self.model = model
         """The exported ``onnx.ModelProto``."""
-        self._region = region
         self._data = model.SerializeToString()
         self._inputs = [i.name for i in model.graph.input]
         self._result = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in region.jaxpr.out_avals]

@@ -49,7 +49,7 @@ using CreateTensorFn = OrtStatus* (*)(const OrtMemoryInfo*, void* data, size_t b
 using CreateCpuMemoryInfoFn = OrtStatus* (*)(int allocator, int mem_type,
                                              OrtMemoryInfo** out);                          // 69
 using GetErrorMessageFn = const char* (*)(const OrtStatus*);                                 // 2
-using ReleaseFn = void (*)(void*);  // 93 status, 95 session, 96 value, 100 session options
+using ReleaseFn = void (*)(void*);  // 93 status, 96 value, 100 session options
 using AddConfigEntryFn = OrtStatus* (*)(OrtSessionOptions*, const char*, const char*);      // 130
 
 struct ApiBase {
@@ -220,11 +220,5 @@ void* JaxqOrtOpen(const char* label, const void* model, size_t len, int intra_th
 }
 
 int64_t JaxqOrtCalls(void* session) { return static_cast<Session*>(session)->calls.load(); }
-
-void JaxqOrtClose(void* session) {
-  auto* s = static_cast<Session*>(session);
-  Slot<ReleaseFn>(95)(s->session);
-  delete s;
-}
 
 }  // extern "C"

@@ -338,6 +338,10 @@ def _conv_by_taps(x: jax.Array, w: jax.Array, p: Any, out_shape: tuple[int, ...]
     return jnp.transpose(acc, tuple(int(d) for d in np.argsort(dn.out_spec)))
 
 
+_EPILOGUE = ("add", "sub", "mul", "max", "min", "custom_jvp_call", "pjit", "jit")
+"""Equations that may lie between a convolution and its pooling (shape-preserving ones only)."""
+
+
 def pooled_outputs(source: Program) -> set[str]:
     """Names of the equations whose output reaches a max pooling only through elementwise
     equations of one use each (a bias, ReLU): the convolutions XLA:CPU can fuse with their
@@ -362,10 +366,6 @@ def pooled_outputs(source: Program) -> set[str]:
             if shaped_aval(v).shape != shape:
                 break
     return pooled
-
-
-_EPILOGUE = ("add", "sub", "mul", "max", "min", "custom_jvp_call", "pjit", "jit")
-"""Equations that may lie between a convolution and its pooling (shape-preserving ones only)."""
 
 
 def _int_conv(
