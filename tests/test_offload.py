@@ -466,6 +466,44 @@ def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
     assert ops.count("ReduceSum") == 1 and not {"IsNaN", "Where", "ReduceMax"} & set(ops)
 
 
+@pytest.mark.parametrize(
+    "window, strides, padding",
+    [((2, 2), (2, 2), "VALID"), ((3, 3), (1, 1), "SAME"), ((3, 2), (2, 1), ((1, 1), (0, 1)))],
+)
+def test_sum_pooling_exports_within_float_rounding_of_the_sum(window, strides, padding):
+    x = RNG.normal(size=(2, 7, 6, 3)).astype(np.float32)
+    dims, steps = (1, *window, 1), (1, *strides, 1)
+    pads = padding if isinstance(padding, str) else ((0, 0), *padding, (0, 0))
+    pool = lambda x: lax.reduce_window(x, 0.0, lax.add, dims, steps, pads)
+    (got,), want = run_onnx(pool, x), np.asarray(pool(x))
+    # (each runtime sums the k terms of a window in its own order; ONNX Runtime's mean is then
+    # multiplied by k: a few roundings of the terms' magnitude, not of the possibly small sum)
+    k, eps = np.prod(window), np.finfo(np.float32).eps
+    assert np.all(np.abs(got - want) <= 2 * k * eps * np.asarray(pool(np.abs(x))))
+
+
+def test_a_realized_cnn_with_average_pooling_offloads_as_one_region():
+    def net(p, x):
+        dn = ("NHWC", "HWIO", "NHWC")
+        y = jax.nn.relu(lax.conv_general_dilated(x, p["c"], (1, 1), "SAME", dimension_numbers=dn))
+        y = lax.reduce_window(y, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+        return y.reshape(y.shape[0], -1) @ p["d"]
+
+    rng = np.random.default_rng(2)
+    params = {
+        "c": (rng.normal(size=(3, 3, 4, 8)) * 0.3).astype(np.float32),
+        "d": (rng.normal(size=(4 * 4 * 8, 5)) * 0.1).astype(np.float32),
+    }
+    x = rng.normal(size=(3, 8, 8, 4)).astype(np.float32)
+    qf = jaxq.quantize(net, params, calibration=[(x,)], progress=False)
+    exact = jaxq.offload(qf, exact=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing stays with XLA)
+        (region,) = exact.regions(x)
+    assert "reduce_window_sum" in region.primitives
+    np.testing.assert_array_equal(np.asarray(jax.jit(exact)(x)), np.asarray(qf(x)))
+
+
 def test_nan_rows_known_from_an_earlier_layer_are_not_checked_again():
     # LN -> dense -> GELU -> dense -> + residual -> LN -> dense: the second dense's input holds NaN
     # or Inf exactly in the rows realize's NaN row made NaN after the first (its sums are

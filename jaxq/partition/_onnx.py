@@ -1,8 +1,8 @@
 """The ``"onnxruntime"`` backend: export a region to ONNX and run it in ONNX Runtime.
 
 A small exporter covers the ops regions usually hold (elementwise arithmetic and activations,
-``dot_general`` as ``MatMul``, convolutions, max pooling, pads, broadcasts, reshapes, transposes,
-slices, concatenations, casts, reductions, ``select_n``); nested ``jit`` / ``custom_jvp_call``
+``dot_general`` as ``MatMul``, convolutions, max and sum (average) pooling, pads, broadcasts,
+reshapes, transposes, slices, concatenations, casts, reductions, ``select_n``); nested ``jit`` / ``custom_jvp_call``
 bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize writes it maps onto
 ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMulInteger`` and an
 int8 convolution im2col + ``MatMulInteger``, their int8 activations shifted by 128 into uint8
@@ -55,7 +55,7 @@ _OTHER = {
     "dot_general", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square", "round", "clamp", "conv_general_dilated",
-    "reduce_window_max", "pad", "is_finite", "not", "and", "or", "reduce_or", "reduce_and",
+    "reduce_window_max", "reduce_window_sum", "pad", "is_finite", "not", "and", "or", "reduce_or", "reduce_and",
     "concatenate", "slice", "ne", "erfc", "copy", "copy_p", "stop_gradient",
 }  # fmt: skip
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -81,7 +81,7 @@ _SHIFT_COMMUTING = (*_RESHAPES, "transpose", "slice", "concatenate", "copy", "co
 
 
 def _pooled_axes(p: Any) -> list[int]:
-    """The axes a ``reduce_window_max`` pools over (a window or stride other than 1)."""
+    """The axes a ``reduce_window_max`` / ``_sum`` pools over (a window or stride other than 1)."""
     windows = zip(p["window_dimensions"], p["window_strides"], strict=True)
     return [i for i, (w, s) in enumerate(windows) if w != 1 or s != 1]
 
@@ -105,12 +105,15 @@ def _limit(e: C.JaxprEqn) -> str | None:
             return "a convolution with negative padding"
         if any(ints) and not eight_bit:
             return "an integer convolution on other than 8-bit operands"
-    if name == "reduce_window_max":
+    if name in ("reduce_window_max", "reduce_window_sum"):
+        kind = "max" if name == "reduce_window_max" else "sum"
         pooled = _pooled_axes(p)
         if len(p["window_dimensions"]) - len(pooled) != 2 or not pooled:
-            return "max pooling that does not leave exactly two axes unpooled"
+            return f"{kind} pooling that does not leave exactly two axes unpooled"
         if any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"])):
-            return "dilated max pooling"
+            return f"dilated {kind} pooling"
+        if kind == "sum" and not np.issubdtype(dtypes[0], np.floating):
+            return "integer sum pooling"
     if name == "pad" and any(lo < 0 or hi < 0 or i for lo, hi, i in p["padding_config"]):
         return "a pad with interior or negative padding"
     return None
@@ -505,7 +508,12 @@ class _Exporter:
         if name == "conv_general_dilated":
             return self.conv(e, ins)
         if name == "reduce_window_max":
-            return self.max_pool(e, ins)
+            return self.pool("MaxPool", e, ins)
+        if name == "reduce_window_sum":  # (the mean of each window, zero padding counted, times
+            # its size: a sum of the same terms in another order, within float rounding)
+            mean = self.pool("AveragePool", e, ins, count_include_pad=1)[0]
+            size = int(np.prod(e.params["window_dimensions"]))
+            return self.node("Mul", [mean, self.const(size, shaped_aval(e.outvars[0]).dtype)])
         raise BackendError(f"the ONNX exporter has no rule for {name!r}")
 
     def name_of(self, a: Any) -> str:
@@ -1004,7 +1012,7 @@ class _Exporter:
         if name in _SHIFT_COMMUTING and all(twins):
             twin = self.eqn(e, [t for t in twins if t is not None])
         elif name == "reduce_window_max" and twins[0] is not None:
-            twin = self.max_pool(e, [twins[0]])
+            twin = self.pool("MaxPool", e, [twins[0]])
         elif name in ("max", "min", "pad"):
             i = 0 if twins[0] is not None else 1
             c = self.value(e.invars[1 - i])
@@ -1285,20 +1293,21 @@ class _Exporter:
             perm[d] = 1 + i
         return [self.transpose(y, perm)]
 
-    def max_pool(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
-        """``reduce_window_max`` over all but two axes as ``MaxPool``: the two unpooled axes go
-        first (as N and C), the pooled ones after them."""
+    def pool(self, op: str, e: C.JaxprEqn, ins: list[str], **attrs: Any) -> list[str]:
+        """A ``reduce_window_*`` over all but two axes as ONNX pooling ``op``: the two unpooled
+        axes go first (as N and C), the pooled ones after them."""
         p = e.params
         pooled = _pooled_axes(p)
         kept = [i for i in range(len(p["window_dimensions"])) if i not in pooled]
         perm = kept + pooled
         x = self.transpose(ins[0], perm)
         y = self.node(
-            "MaxPool",
+            op,
             [x],
             kernel_shape=[p["window_dimensions"][i] for i in pooled],
             strides=[p["window_strides"][i] for i in pooled],
             pads=[p["padding"][i][0] for i in pooled] + [p["padding"][i][1] for i in pooled],
+            **attrs,
         )[0]
         return [self.transpose(y, [int(d) for d in np.argsort(perm)])]
 
