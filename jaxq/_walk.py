@@ -44,6 +44,12 @@ class Visit(EquationView):
         self._stack: Any = None
 
     @property
+    def in_open_body(self) -> bool:
+        """Whether this equation sits in a nested jaxpr that is re-bound without constants of its
+        own (a loop body on newer JAX): a rule there must not turn values into array constants."""
+        return self._walker.open_depth > 0
+
+    @property
     def in_layouts(self) -> tuple[str | None, ...]:
         """The layout of each operand (``"NC"``...), None where unknown or before
         ``infer_layouts``."""
@@ -107,6 +113,7 @@ class _Walker:
         self.rules = {getattr(k, "name", k): r for k, r in rules.items()}
         self.names, self.layouts, self.recurse, self.scope = names, layouts, recurse, scope
         self.coerce = coerce
+        self.open_depth = 0
 
     def retrace(self, closed: C.ClosedJaxpr, path: Path) -> C.ClosedJaxpr:
         def fun(*args: Any) -> list[Any]:
@@ -168,14 +175,19 @@ class _Walker:
         remat_body = None
         for key, idx, sub in subs:
             label = key if idx is None else f"{key}[{idx}]"
-            new = self.retrace(C.as_closed(sub), (*visit.path, label))
+            is_open = isinstance(sub, C.Jaxpr) and eqn.primitive.name not in _REMATS
+            self.open_depth += is_open
+            try:
+                new = self.retrace(C.as_closed(sub), (*visit.path, label))
+            finally:
+                self.open_depth -= is_open
             if isinstance(sub, C.Jaxpr):  # open jaxpr param (remat): only if no constants appeared
                 if new.consts:
                     remat_body = new
                 new = new.jaxpr
             C.replace_param(new_params, key, idx, new)
         if remat_body is not None:
-            if eqn.primitive.name != "remat2" and eqn.primitive.name != "checkpoint":
+            if eqn.primitive.name not in _REMATS:
                 raise RewriteError(
                     f"rewriting {visit.name!r} introduced constants into an open jaxpr param of "
                     f"{eqn.primitive.name}, which jaxq cannot re-bind"
@@ -188,6 +200,10 @@ class _Walker:
                 f"re-binding {eqn.primitive.name} at {visit.name!r} after rewriting its body failed "
                 f"(did a rule change the types inside a loop or a branch?): {type(e).__name__}: {e}"
             ) from e
+
+
+_REMATS = ("remat2", "checkpoint")
+"""Primitives whose open jaxpr param jaxq re-binds with new constants (``C.remat_bind``)."""
 
 
 def _check_types(visit: Visit, outs: Sequence[Any]) -> None:

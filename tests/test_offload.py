@@ -561,6 +561,26 @@ def test_what_onnx_runtime_cannot_run_stays_with_xla_and_is_named():
     assert len(fast.regions(x)) == 1  # (built once per shape: no second warning)
 
 
+def test_a_scanned_layer_stack_stays_with_xla_and_the_rest_offloads():
+    # (lax.scan has no ONNX rule; on jax 0.12 offloading such a model raised RewriteError)
+    def f(params, x):
+        body = lambda h, w: (h + jax.nn.relu(h @ w), None)
+        h = jax.lax.scan(body, x, params["stack"])[0]
+        with jax.named_scope("Head"):
+            return h @ params["head"]
+
+    params = {
+        "stack": (RNG.normal(size=(3, 8, 8)) * 0.3).astype(np.float32),
+        "head": RNG.normal(size=(8, 4)).astype(np.float32),
+    }
+    x = RNG.normal(size=(5, 8)).astype(np.float32)
+    qf = jaxq.quantize(f, params, calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    with pytest.warns(jaxq.OffloadWarning, match=r"stay with XLA.*'scan': 1"):
+        y = jax.jit(fast)(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(qf(x)))
+
+
 def test_bad_input_is_named():
     f, params, qf = quantized_mlp()
     with pytest.raises(TypeError, match="QuantizedFunction jaxq.quantize returns; got partial"):

@@ -2,6 +2,7 @@
 
 import io
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,3 +172,18 @@ def test_fold_constants_evaluates_small_constant_subexpressions_only():
     np.testing.assert_array_equal(everything(X), prog(X))
     with pytest.raises(ValueError, match="max_elements"):
         T.fold_constants(-1)
+
+
+def test_fold_constants_runs_on_loops_whose_bodies_hold_constant_subexpressions():
+    # (on jax 0.12 a scan body is re-bound without constants of its own: folding an array there
+    # raised RewriteError, which broke jaxq.offload of every nn.scan layer stack)
+    def f(x):
+        step = lambda h, _: (h * jnp.full(3, 2.0) + jnp.asarray(np.float32(1)) * 3.0, None)
+        return jax.lax.scan(step, x, None, length=4)[0] * (jnp.ones(3) * 2.0)
+
+    x = np.linspace(-1, 1, 3).astype(np.float32)
+    prog = jaxq.trace(f, x)
+    folded = T.fold_constants()(prog)
+    np.testing.assert_array_equal(folded(x), f(x))
+    top = [e.primitive for e in folded.equations() if len(e.path) == 1]
+    assert top.count("mul") == 1  # (outside the loop the constant product still folds)

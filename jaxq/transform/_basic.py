@@ -110,7 +110,8 @@ def fold_constants(max_elements: int = 4096) -> Pass:
     dtype) then reaches a backend as one constant instead of equations of its own; results larger
     than ``max_elements`` (a weight dequantized to float) stay computed at run time, so the program
     does not grow by a copy of the model. Equations with effects and sub-programs (jit, scan, ...)
-    are left as they are; their equations are folded inside.
+    are left as they are; their equations are folded inside, except in bodies that JAX re-binds
+    without constants of their own (``scan`` / ``while`` bodies on newer JAX).
     """
     if not isinstance(max_elements, int) or max_elements < 0:
         raise ValueError(f"fold_constants: max_elements must be an int >= 0; got {max_elements!r}")
@@ -118,6 +119,8 @@ def fold_constants(max_elements: int = 4096) -> Pass:
     def fold(visit: Any, *invals: Any) -> Any:
         eqn = visit.eqn
         small = all(math.prod(v.aval.shape) <= max_elements for v in eqn.outvars)
+        if visit.in_open_body:  # (a loop body re-bound without constants: left as it is)
+            return visit.bind(*invals)
         if invals and small and not eqn.effects and not any(C.is_tracer(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
