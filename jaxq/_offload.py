@@ -17,7 +17,6 @@ once, with a warning.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ import jax
 
 from jaxq import _compat as C
 from jaxq._program import Program, trace
+from jaxq._warnings import warn
 from jaxq.partition import (
     annotate_target,
     backend_ops,
@@ -113,11 +113,10 @@ class OffloadedFunction:
             parts = Sequential(passes, name="offload")(program)
             left = _left_behind(parts)
             if left:
-                warnings.warn(
+                warn(
                     f"offload: {sum(left.values())} equation(s) stay with XLA, which "
                     f"{self.backend!r} cannot run: {dict(sorted(left.items()))}",
                     OffloadWarning,
-                    stacklevel=3,
                 )
             codegen = functools.partial(onnx_codegen, exact=self.exact)
             codegen.__name__ = self.backend  # type: ignore[attr-defined]  # (build's messages)

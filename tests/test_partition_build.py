@@ -97,6 +97,7 @@ def test_backend_that_raises_names_the_region_or_falls_back(mlp_program):
     with pytest.warns(P.BackendFallbackWarning, match="A_mlp_") as record:
         fn = P.build(mlp_program, fallback="xla")
     assert ["A_mlp_0" in str(w.message) for w in record] == [True, False]
+    assert {w.filename for w in record} == {__file__}  # (the line that called build)
     np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
 
 
@@ -112,8 +113,9 @@ def test_backend_failing_at_run_time_names_the_region(mlp_program):
     with pytest.raises(P.BackendError, match=r"failed to run region 'A_mlp_0'.*device lost"):
         fn(X)
     fn = P.build(mlp_program, jit=False, fallback="xla")
-    with pytest.warns(P.BackendFallbackWarning):
+    with pytest.warns(P.BackendFallbackWarning) as record:
         np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+    assert {w.filename for w in record} == {__file__}
 
 
 def test_host_backend_refuses_what_it_cannot_run():

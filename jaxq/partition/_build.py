@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ import jax
 
 from jaxq import _compat as C
 from jaxq._program import Program
+from jaxq._warnings import warn
 from jaxq.partition._backends import (
     BackendError,
     Codegen,
@@ -65,9 +65,7 @@ def build(
             )
             if fallback != "xla":
                 raise BackendError(msg + "\nPass fallback='xla' to run it with XLA instead.") from e
-            warnings.warn(
-                msg + "; running it with XLA instead", BackendFallbackWarning, stacklevel=2
-            )
+            warn(msg + "; running it with XLA instead", BackendFallbackWarning)
             fn = xla_backend()(r.program())
         runners[r.name] = _guard(
             fn, r.name, label, r.program() if fallback == "xla" else None, r.program()
@@ -155,9 +153,7 @@ def _guard(
             msg = f"backend {backend!r} failed to run region {region!r}: {type(e).__name__}: {e}"
             if fallback is None:
                 raise BackendError(msg) from e
-            warnings.warn(
-                msg + "; running it with XLA instead", BackendFallbackWarning, stacklevel=2
-            )
+            warn(msg + "; running it with XLA instead", BackendFallbackWarning)
             if not xla:
                 xla.append(xla_backend()(fallback))
             return xla[0](*args)
