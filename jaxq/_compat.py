@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -45,10 +46,25 @@ def _scopes(stack: NameStack) -> tuple[str, ...]:
 
 def with_name_stack(eqn: JaxprEqn, scopes: tuple[str, ...]) -> JaxprEqn:
     """A copy of ``eqn`` whose name stack is exactly ``scopes``."""
+    return eqn.replace(source_info=eqn.source_info.replace(name_stack=_stack_of(scopes)))
+
+
+def _stack_of(scopes: tuple[str, ...]) -> NameStack:
     stack = NameStack()
     for s in scopes:
         stack = stack.extend(s)
-    return eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
+    return stack
+
+
+def renamed_scope(stack: NameStack, eqn: JaxprEqn, suffix: str) -> Any:
+    """Context manager: the absolute name stack ``stack`` of ``eqn``'s rule, with the equation's
+    own name (its last scope where names are baked in, else its primitive) followed by
+    ``suffix`` as the innermost scope (``Stack/scan@2``)."""
+    scopes = _scopes(stack)
+    own = eqn.primitive.name
+    if scopes and re.fullmatch(re.escape(own) + r"(_\d+)?", scopes[-1]):
+        scopes, own = scopes[:-1], scopes[-1]
+    return _siu.set_name_stack(_stack_of((*scopes, own + suffix)))
 
 
 @contextlib.contextmanager

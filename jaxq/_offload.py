@@ -5,11 +5,14 @@ writes integer code (int8 x int8 -> int32 dots and convolutions, requantization,
 between layers), and the ordinary partition passes hand it to a backend. ``offload`` is only that
 composition, per input shape:
 
-    trace(qf with its params bound)  ->  annotate_target([backend])  ->  merge_compiler_regions()
-        ->  partition_graph()  ->  build(backends={backend: backend})
+    trace(qf with its params bound)  ->  unroll_loops()  ->  fold_constants()
+        ->  annotate_target([backend])  ->  merge_compiler_regions()  ->  partition_graph()
+        ->  build(backends={backend: backend})
 
 The params are bound into the traced program, so a region's weights reach the backend as
-constants (ONNX initializers, which ONNX Runtime prepacks) instead of arriving on every call.
+constants (ONNX initializers, which ONNX Runtime prepacks) instead of arriving on every call;
+a scanned layer stack (``nn.scan``) is unrolled into its layers, each with its own slice of the
+stacked codes, so it can join a region.
 Equations the backend cannot take stay with XLA; each shape that leaves some behind says which,
 once, with a warning.
 """
@@ -37,7 +40,7 @@ from jaxq.partition import (
 from jaxq.partition._onnx import onnx_codegen, unsupported_onnx_equation
 from jaxq.quantize import QuantizedFunction, Tuning
 from jaxq.quantize._api import _spec as arg_spec
-from jaxq.transform import PassContext, Sequential, fold_constants
+from jaxq.transform import PassContext, Sequential, fold_constants, unroll_loops
 
 TUNING = {
     "onnxruntime": Tuning(
@@ -105,6 +108,7 @@ class OffloadedFunction:
             bound = fun if qf.params is None else lambda *x: fun(qf.params, *x)
             program = trace(bound, *a)
             passes = [
+                unroll_loops(),  # (a scanned layer stack as layers a region can take)
                 fold_constants(),  # (scale arithmetic on the bound params: constants)
                 annotate_target([self.backend]),
                 merge_compiler_regions(),

@@ -90,9 +90,12 @@ class Visit(EquationView):
         # (under the current name stack: inside a loop's own trace, as in the original body)
         return self._walker.eval(body.jaxpr, body.consts, list(invals), (*self.path, key))
 
-    def own_scope(self) -> Any:
+    def own_scope(self, suffix: str = "") -> Any:
         """A context in which JAX code is named like this equation itself (not under the rule's
-        helper scope): for a rule that re-binds the equation by other means."""
+        helper scope): for a rule that re-binds the equation by other means. With ``suffix``,
+        code is named under the equation's own name plus it (a loop's iteration: ``scan@2/``)."""
+        if suffix:
+            return C.renamed_scope(self._stack, self.eqn, suffix)
         return C.set_name_stack(self._stack)
 
 

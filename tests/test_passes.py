@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxq
 from jaxq import transform as T
@@ -187,3 +189,43 @@ def test_fold_constants_runs_on_loops_whose_bodies_hold_constant_subexpressions(
     np.testing.assert_array_equal(folded(x), f(x))
     top = [e.primitive for e in folded.equations() if len(e.path) == 1]
     assert top.count("mul") == 1  # (outside the loop the constant product still folds)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 4), st.integers(0, 3), st.booleans(), st.integers(0, 5))
+def test_unroll_loops_computes_the_same_without_loops(length, inner, reverse, max_length):
+    # integer arithmetic: any evaluation order gives the same numbers, so equality is exact
+    w = np.arange(6, dtype=np.int32).reshape(2, 3)
+
+    def f(c0, xs):
+        def step(c, x):
+            c = c * 3 + x.sum() + jnp.asarray(w).sum()
+            inner_ys = jax.lax.scan(lambda a, b: (a + b, a * b), c, jnp.arange(inner))[1]
+            return c % 1000, (x * c, inner_ys)
+
+        return jax.lax.scan(step, c0, xs, reverse=reverse)
+
+    c0, xs = np.int32(2), np.arange(length * 4, dtype=np.int32).reshape(length, 4)
+    prog = jaxq.trace(f, c0, xs)
+    before = [e.primitive for e in prog.equations()]
+    out = T.unroll_loops(max_length)(prog)
+    assert [e.primitive for e in prog.equations()] == before  # (the input is unchanged)
+    scans = [e for e in out.equations() if e.primitive == "scan"]
+    assert bool(scans) == (length > max_length or (length > 0 and inner > max_length))
+    for got, want in zip(jax.tree.leaves(out(c0, xs)), jax.tree.leaves(f(c0, xs)), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_unroll_loops_names_each_iteration_and_checks_its_argument():
+    def f(x, ws):
+        with jax.named_scope("Stack"):
+            return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    x, ws = np.ones((2, 3), np.float32), np.ones((2, 3, 3), np.float32) * 0.1
+    out = T.unroll_loops()(T.name_expressions()(jaxq.trace(f, x, ws)))
+    names = [e.name for e in out.equations() if e.primitive == "dot_general"]
+    assert names == ["Stack/scan@0/dot_general", "Stack/scan@1/dot_general"]
+    np.testing.assert_allclose(out(x, ws), f(x, ws), rtol=1e-6)
+    with pytest.raises(ValueError, match="max_length"):
+        T.unroll_loops(-1)

@@ -15,6 +15,7 @@ from jaxq.transform._instruments import PassError as PassError
 from jaxq.transform._instruments import PassTiming as PassTiming
 from jaxq.transform._instruments import PrintIR as PrintIR
 from jaxq.transform._instruments import WellFormed as WellFormed
+from jaxq.transform._loops import unroll_loops as unroll_loops
 from jaxq.transform._pass import FunctionPass as FunctionPass
 from jaxq.transform._pass import Pass as Pass
 from jaxq.transform._pass import PassContext as PassContext
