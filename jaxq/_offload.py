@@ -90,8 +90,10 @@ class OffloadedFunction:
     the partitioned Program.
     """
 
-    def __init__(self, qf: QuantizedFunction, backend: str, exact: bool = False) -> None:
-        self.qf, self.backend, self.exact = qf, backend, exact
+    def __init__(
+        self, qf: QuantizedFunction, backend: str, exact: bool = False, max_unroll: int = 64
+    ) -> None:
+        self.qf, self.backend, self.exact, self.max_unroll = qf, backend, exact, max_unroll
         self._built: dict[Any, tuple[Program, Callable[..., Any]]] = {}
 
     def _get(self, args: tuple[Any, ...]) -> tuple[Program, Callable[..., Any]]:
@@ -108,7 +110,7 @@ class OffloadedFunction:
             bound = fun if qf.params is None else lambda *x: fun(qf.params, *x)
             program = trace(bound, *a)
             passes = [
-                unroll_loops(),  # (a scanned layer stack as layers a region can take)
+                unroll_loops(self.max_unroll),  # (a layer stack as layers a region can take)
                 fold_constants(),  # (scale arithmetic on the bound params: constants)
                 annotate_target([self.backend]),
                 merge_compiler_regions(),
@@ -157,7 +159,11 @@ def _left_behind(parts: Program) -> dict[str, int]:
 
 
 def offload(
-    qf: QuantizedFunction, backend: str = "onnxruntime", *, exact: bool = False
+    qf: QuantizedFunction,
+    backend: str = "onnxruntime",
+    *,
+    exact: bool = False,
+    max_unroll: int = 64,
 ) -> OffloadedFunction:
     """``qf``'s integer code run by an external runtime, through jaxq's own partitioner.
 
@@ -184,6 +190,9 @@ def offload(
         as one ``QLinearConv``, which rounds that requantize in float: each such code is ``qf``'s
         or one step from it (ONNX Runtime's own static quantization rounds the same way).
         ``exact=True`` keeps realize's float rescale and rounding there (slower).
+      max_unroll: a ``lax.scan`` of at most this many iterations (an ``nn.scan`` layer stack)
+        is unrolled (:func:`jaxq.transform.unroll_loops`) so that its layers can run in the
+        backend; longer loops (a long decode loop) stay with XLA, and 0 keeps every loop there.
     """
     if not isinstance(qf, QuantizedFunction):
         raise TypeError(
@@ -204,5 +213,7 @@ def offload(
                 "offload to 'onnxruntime' needs the onnx and onnxruntime packages: "
                 "pip install 'jaxq[onnx]'"
             ) from e
+    if not isinstance(max_unroll, int) or max_unroll < 0:
+        raise ValueError(f"offload: max_unroll must be an int >= 0; got {max_unroll!r}")
     _register(backend)
-    return OffloadedFunction(qf, backend, exact)
+    return OffloadedFunction(qf, backend, exact, max_unroll)

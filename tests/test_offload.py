@@ -587,6 +587,9 @@ def test_a_scanned_layer_stack_offloads_unrolled_in_one_region():
     (region,) = fast.regions(x)
     assert region.primitives.count("dot_general") == 4
     np.testing.assert_array_equal(np.asarray(y), np.asarray(qf(x)))
+    looped = jaxq.offload(qf, exact=True, max_unroll=2)  # (3 layers: the loop stays with XLA)
+    with pytest.warns(jaxq.OffloadWarning, match=r"stay with XLA.*'scan': 1"):
+        np.testing.assert_array_equal(np.asarray(looped(x)), np.asarray(qf(x)))
 
 
 def test_bad_input_is_named():
@@ -600,6 +603,8 @@ def test_bad_input_is_named():
     for backend in ("xla", "host"):
         with pytest.raises(ValueError, match=f"'{backend}' is not one whose integer kernels"):
             jaxq.offload(qf, backend)
+    with pytest.raises(ValueError, match="max_unroll must be an int >= 0; got -1"):
+        jaxq.offload(qf, max_unroll=-1)
 
 
 def test_without_onnxruntime_the_error_names_the_extra(monkeypatch):
