@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -49,6 +48,11 @@ def with_name_stack(eqn: JaxprEqn, scopes: tuple[str, ...]) -> JaxprEqn:
     return eqn.replace(source_info=eqn.source_info.replace(name_stack=_stack_of(scopes)))
 
 
+def stack_scopes(stack: NameStack) -> tuple[str, ...]:
+    """A name stack as plain strings."""
+    return _scopes(stack)
+
+
 def _stack_of(scopes: tuple[str, ...]) -> NameStack:
     stack = NameStack()
     for s in scopes:
@@ -56,15 +60,9 @@ def _stack_of(scopes: tuple[str, ...]) -> NameStack:
     return stack
 
 
-def renamed_scope(stack: NameStack, eqn: JaxprEqn, suffix: str) -> Any:
-    """Context manager: the absolute name stack ``stack`` of ``eqn``'s rule, with the equation's
-    own name (its last scope where names are baked in, else its primitive) followed by
-    ``suffix`` as the innermost scope (``Stack/scan@2``)."""
-    scopes = _scopes(stack)
-    own = eqn.primitive.name
-    if scopes and re.fullmatch(re.escape(own) + r"(_\d+)?", scopes[-1]):
-        scopes, own = scopes[:-1], scopes[-1]
-    return _siu.set_name_stack(_stack_of((*scopes, own + suffix)))
+def set_name_scopes(scopes: tuple[str, ...]) -> Any:
+    """Context manager: make the plain strings ``scopes`` the absolute name stack."""
+    return _siu.set_name_stack(_stack_of(scopes))
 
 
 @contextlib.contextmanager

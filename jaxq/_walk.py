@@ -94,9 +94,12 @@ class Visit(EquationView):
         """A context in which JAX code is named like this equation itself (not under the rule's
         helper scope): for a rule that re-binds the equation by other means. With ``suffix``,
         code is named under the equation's own name plus it (a loop's iteration: ``scan@2/``)."""
-        if suffix:
-            return C.renamed_scope(self._stack, self.eqn, suffix)
-        return C.set_name_stack(self._stack)
+        if not suffix:
+            return C.set_name_stack(self._stack)
+        scopes, own = C.stack_scopes(self._stack), self.primitive
+        if scopes and _names.is_baked(scopes[-1], own):  # (its own name is the last scope)
+            scopes, own = scopes[:-1], scopes[-1]
+        return C.set_name_scopes((*scopes, own + suffix))
 
 
 Rule = Callable[..., Any]

@@ -13,11 +13,8 @@ import warnings
 
 import jax
 
-_INTERNAL = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (jax, sys.modules[__name__.rpartition(".")[0]])
-    if m.__file__
-)
+# (the jax package's folder and jaxq's own: this module sits at its top)
+_INTERNAL = tuple(os.path.dirname(f) + os.sep for f in (jax.__file__, __file__) if f)
 
 
 def warn(message: str, category: type[Warning]) -> None:

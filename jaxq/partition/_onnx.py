@@ -2,24 +2,23 @@
 
 A small exporter covers the ops regions usually hold (elementwise arithmetic and activations,
 ``dot_general`` as ``MatMul``, convolutions, max and sum (average) pooling, pads, broadcasts,
-reshapes, transposes, slices, concatenations, casts, reductions, ``select_n``); nested ``jit`` / ``custom_jvp_call``
-bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize writes it maps onto
-ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes ``MatMulInteger`` and an
-int8 convolution im2col + ``MatMulInteger``, their int8 activations shifted by 128 into uint8
-with a zero point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``), the operand type ONNX
-Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX Runtime's fused
-kernels where they compute the same numbers (or within float rounding): its quantize as
-``QuantizeLinear``, an int8 dot with its zero-point term, float rescale and bias as
+reshapes, transposes, slices, concatenations, casts, reductions, ``select_n``); nested ``jit`` /
+``custom_jvp_call`` bodies (composites, ``jax.nn.relu``) are inlined. Integer code as realize
+writes it maps onto ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes
+``MatMulInteger`` and an int8 convolution im2col + ``MatMulInteger``, their int8 activations
+shifted by 128 into uint8 with a zero point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``),
+the operand type ONNX Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX
+Runtime's fused kernels where they compute the same numbers (or within float rounding): its
+quantize as ``QuantizeLinear``, an int8 dot with its zero-point term, float rescale and bias as
 ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term checked on the weights' values),
-``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, a layer norm as ``LayerNormalization``, and a row's
-NaN check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps NaN
-where ONNX Runtime's ``ReduceMax`` drops it (as ``sum(x)`` where ``x`` is bounded, or an earlier
-layer's NaN row where it provably has the same). Unless ``exact``, a convolution that
-requantizes straight to the next layer's codes becomes one ``QLinearConv``, which rounds that
-requantize in float (each code realize's or one step from it). XLA calls the session through an
-FFI call on its own buffers (``_ort_ffi``) or ``jax.pure_callback``, so a built program stays
-jittable. Needs the optional packages ``onnx``
-and ``onnxruntime`` (``pip install jaxq[onnx]``).
+``jax.nn.gelu`` as ``Gelu`` / ``FastGelu``, a layer norm as ``LayerNormalization``, and a row's NaN
+check (``any(not finite(x))``, realize's ``max|x| * 0``) as ``sum(x * 0)``, which keeps NaN where
+ONNX Runtime's ``ReduceMax`` drops it (as ``sum(x)`` where ``x`` is bounded, or an earlier layer's
+NaN row where it provably has the same). Unless ``exact``, a convolution that requantizes straight
+to the next layer's codes becomes one ``QLinearConv``, which rounds that requantize in float (each
+code realize's or one step from it). XLA calls the session through an FFI call on its own buffers
+(``_ort_ffi``) or ``jax.pure_callback``, so a built program stays jittable. Needs the optional
+packages ``onnx`` and ``onnxruntime`` (``pip install jaxq[onnx]``).
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ _OTHER = {
     "dot_general", "broadcast_in_dim", "reshape", "transpose", "convert_element_type",
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square", "round", "clamp", "conv_general_dilated",
-    "reduce_window_max", "reduce_window_sum", "pad", "is_finite", "not", "and", "or", "reduce_or", "reduce_and",
-    "concatenate", "slice", "ne", "erfc", "copy", "copy_p", "stop_gradient",
+    "reduce_window_max", "reduce_window_sum", "pad", "is_finite", "not", "and", "or", "reduce_or",
+    "reduce_and", "concatenate", "slice", "ne", "erfc", "copy", "copy_p", "stop_gradient",
 }  # fmt: skip
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
 ONNX_PRIMITIVES: frozenset[str] = frozenset(_UNARY.keys() | _BINARY.keys() | _OTHER)

@@ -40,19 +40,17 @@ def unroll_loops(max_length: int = 64) -> Pass:
         carry = list(invals[n_consts : n_consts + n_carry])
         xs = invals[n_consts + n_carry :]
         steps = range(length - 1, -1, -1) if loop["reverse"] else range(length)
-        ys: dict[int, list[Any]] = {}
+        per_step: list[list[Any]] = []
         for i in steps:
             with visit.own_scope(f"@{i}"):
                 outs = visit.eval_body(C.SCAN_BODY, *consts, *carry, *(x[i] for x in xs))
-                carry = list(outs[:n_carry])
-                for j, y in enumerate(outs[n_carry:]):
-                    ys.setdefault(j, []).append(y)
-        stacked = []
-        for j, var in enumerate(visit.eqn.outvars[n_carry:]):
-            got = ys.get(j, [])[:: -1 if loop["reverse"] else 1]
-            aval: Any = var.aval
-            stacked.append(jnp.stack(got) if got else jnp.zeros(aval.shape, aval.dtype))
-        return [*carry, *stacked]
+            carry = outs[:n_carry]
+            per_step.append(outs[n_carry:])
+        if loop["reverse"]:
+            per_step.reverse()
+        if not per_step:  # (no iterations: empty ys)
+            return [*carry, *(jnp.zeros(a.shape, a.dtype) for a in visit.out_avals[n_carry:])]
+        return [*carry, *(jnp.stack(ys) for ys in zip(*per_step, strict=True))]
 
     @program_pass(name="unroll_loops")
     def run(program: Program) -> Program:
