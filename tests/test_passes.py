@@ -229,3 +229,20 @@ def test_unroll_loops_names_each_iteration_and_checks_its_argument():
     np.testing.assert_allclose(out(x, ws), f(x, ws), rtol=1e-6)
     with pytest.raises(ValueError, match="max_length"):
         T.unroll_loops(-1)
+
+
+def test_unroll_loops_gives_each_iteration_its_own_constant_of_a_stacked_constant():
+    # (a stacked weight bound into the program: a backend must see each layer's weight as a
+    # constant, not a slice of the stack computed at run time)
+    ws = jnp.arange(2 * 3 * 3, dtype=jnp.float32).reshape(2, 3, 3) / 10  # (a jax Array)
+    f = lambda x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    x = np.ones((2, 3), np.float32)
+    out = T.unroll_loops()(jaxq.trace(f, x))
+    prims = [e.primitive for e in out.equations()]
+    assert prims.count("dot_general") == 2 and not {"slice", "squeeze", "dynamic_slice"} & set(
+        prims
+    )
+    layers = [c for c in out.jaxpr.consts if np.shape(c) == (3, 3)]
+    for got, want in zip(layers, ws, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(out(x), f(x), rtol=1e-6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxq import _compat as C
@@ -43,7 +44,7 @@ def unroll_loops(max_length: int = 64) -> Pass:
         per_step: list[list[Any]] = []
         for i in steps:
             with visit.own_scope(f"@{i}"):
-                outs = visit.eval_body(C.SCAN_BODY, *consts, *carry, *(x[i] for x in xs))
+                outs = visit.eval_body(C.SCAN_BODY, *consts, *carry, *(_row(x, i) for x in xs))
             carry = outs[:n_carry]
             per_step.append(outs[n_carry:])
         if loop["reverse"]:
@@ -57,3 +58,13 @@ def unroll_loops(max_length: int = 64) -> Pass:
         return rewrite(program, {"scan": unroll}, scope="unroll")
 
     return run
+
+
+def _row(x: Any, i: int) -> Any:
+    """``x[i]``: sliced now where ``x`` is a constant (a stacked param bound into the program), so
+    each iteration gets a constant of its own (a backend sees a layer's weight, not a slice of
+    the stack computed at run time)."""
+    if C.is_tracer(x):
+        return x[i]
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(x)[i]
