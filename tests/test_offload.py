@@ -175,6 +175,91 @@ def test_layer_norm_is_one_kernel_within_float_rounding(affine):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_flax_layer_norm_is_one_kernel_within_float_rounding(affine):
+    # (Flax computes the variance as max(E[x^2] - mean^2, 0) and multiplies its scale into the
+    # rsqrt first; ONNX Runtime's centered variance is the exact one where Flax's cancels)
+    nn = pytest.importorskip("flax.linen")
+    ln = nn.LayerNorm(use_scale=affine, use_bias=affine)
+    x = (RNG.normal(size=(3, 5, 48)) * 3 + 100).astype(np.float32)  # (a mean far from 0)
+    params = jax.tree.map(
+        lambda p: p + RNG.normal(size=p.shape).astype(np.float32), ln.init(jax.random.PRNGKey(0), x)
+    )
+    x[0, 0, 3], x[0, 1, 4], x[0, 2, 5], x[1, 0] = np.nan, np.inf, -np.inf, 7.0  # (7: var 0)
+    f = lambda x: ln.apply(params, x)
+    (got,), ops = run_onnx_ops(f, x)
+    assert "LayerNormalization" in ops and not ops & {"Sqrt", "Reciprocal", "Max"}
+    want = np.asarray(jax.jit(f)(x))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    x64 = x.astype(np.float64)  # (the exact layer norm, NaN rows aside)
+    with np.errstate(invalid="ignore"):  # (Inf - Inf in the rows that are NaN anyway)
+        d = x64 - x64.mean(-1, keepdims=True)
+        exact = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-6)
+    if affine:
+        exact = exact * params["params"]["scale"] + params["params"]["bias"]
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], exact[finite], rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(want[finite], exact[finite], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("scales", ["head", "column", "one"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_multi_head_projections_fuse_like_dense_layers(scales, bias):
+    # (Flax's DenseGeneral / MultiHeadDotProductAttention: [d, heads, head_dim] weights, scales
+    # per head or per column, a [heads, head_dim] bias)
+    rng = np.random.default_rng(1)
+    x, w = codes(rng, (2, 3, 16), np.int8), codes(rng, (16, 4, 8))
+    term = (5 * w.astype(np.int32).sum(0, keepdims=True))[None]  # (activation zero point 5)
+    shape = {"head": (1, 1, 4, 1), "column": (1, 1, 4, 8), "one": ()}[scales]
+    s = rng.uniform(1e-3, 1e-2, size=shape).astype(np.float32)
+    b = rng.normal(size=(4, 8)).astype(np.float32)
+    xf = rng.normal(size=(2, 3, 1, 1)).astype(np.float32)
+    xf[1, 2] = np.nan  # (a NaN row still reaches its outputs)
+
+    def f(x, xf):
+        acc = lax.dot_general(x, w, (((2,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        y = (acc - term).astype(jnp.float32) * s + xf * np.float32(0)
+        return y + b if bias else y
+
+    (got,), ops = run_onnx_ops(f, x, xf)
+    assert "MatMulIntegerToFloat" in ops and "MatMulInteger" not in ops
+    want = np.asarray(jax.jit(f)(x, xf))
+    if bias:  # (XLA:CPU contracts y * s + b into one FMA; ONNX Runtime rounds twice)
+        np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_flax_scanned_transformer_offloads_into_onnx_runtimes_fused_kernels():
+    # (a model written with Flax's own layers, as users write them: its projections, layer norms
+    # and GELU meet ONNX Runtime's fused kernels, and its stacked weights are initializers)
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)(h, h)
+            return x + nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x)))), None
+
+    stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+    model = stack()
+    x = RNG.normal(size=(3, 4, 16)).astype(np.float32)
+    params = model.init(jax.random.PRNGKey(0), x, None)
+    apply = lambda p, x: model.apply(p, x, None)[0]
+    qf = jaxq.quantize(apply, params, calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing stays with XLA)
+        got = np.asarray(jax.jit(fast)(x))
+    (region,) = fast.regions(x)
+    ops = [n.op_type for n in export_onnx(region.program()).graph.node]
+    assert ops.count("MatMulIntegerToFloat") == 12 and ops.count("LayerNormalization") == 4
+    assert not {"MatMulInteger", "Slice", "Sqrt"} & set(ops)
+    want = np.asarray(qf(x))
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
 def run_onnx_ops(f, *args):
     """Like run_onnx, and the op types of the exported model (one export, one session)."""
     run = onnx_codegen(jaxq.trace(f, *args))
@@ -574,11 +659,11 @@ def test_a_scanned_layer_stack_offloads_unrolled_in_one_region():
         with jax.named_scope("Head"):
             return h @ params["head"]
 
-    params = {
-        "stack": (RNG.normal(size=(3, 8, 8)) * 0.3).astype(np.float32),
-        "head": RNG.normal(size=(8, 4)).astype(np.float32),
+    params = {  # (layers too large for fold_constants to fold a slice of the stack)
+        "stack": (RNG.normal(size=(3, 72, 72)) * 0.05).astype(np.float32),
+        "head": RNG.normal(size=(72, 4)).astype(np.float32),
     }
-    x = RNG.normal(size=(5, 8)).astype(np.float32)
+    x = RNG.normal(size=(5, 72)).astype(np.float32)
     qf = jaxq.quantize(f, params, calibration=[(x,)], progress=False)
     fast = jaxq.offload(qf, exact=True)
     with warnings.catch_warnings():
@@ -587,6 +672,10 @@ def test_a_scanned_layer_stack_offloads_unrolled_in_one_region():
     (region,) = fast.regions(x)
     assert region.primitives.count("dot_general") == 4
     np.testing.assert_array_equal(np.asarray(y), np.asarray(qf(x)))
+    # each layer's codes are an initializer of their own (ONNX Runtime prepacks them), not a
+    # Slice of the stack run on every call
+    model = export_onnx(region.program())
+    assert "Slice" not in {n.op_type for n in model.graph.node}
     looped = jaxq.offload(qf, exact=True, max_unroll=2)  # (3 layers: the loop stays with XLA)
     with pytest.warns(jaxq.OffloadWarning, match=r"stay with XLA.*'scan': 1"):
         np.testing.assert_array_equal(np.asarray(looped(x)), np.asarray(qf(x)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,6 +117,20 @@ def _limit(e: C.JaxprEqn) -> str | None:
     if name == "pad" and any(lo < 0 or hi < 0 or i for lo, hi, i in p["padding_config"]):
         return "a pad with interior or negative padding"
     return None
+
+
+def _columns(v: np.ndarray, cols: tuple[int, ...]) -> np.ndarray | None:
+    """``v`` as one value per column of the trailing axes ``cols``, flattened (one value as it
+    is), where it broadcasts against them with no leading axes of its own (a multi-head
+    projection's scales per head, ``[1, 1, heads, 1]``, against ``(heads, head_dim)``); else
+    None."""
+    if v.size == 1:
+        return v.reshape(())
+    lead, tail = v.shape[: max(v.ndim - len(cols), 0)], v.shape[max(v.ndim - len(cols), 0) :]
+    tail = (1,) * (len(cols) - len(tail)) + tail
+    if any(d != 1 for d in lead) or any(t not in (1, c) for t, c in zip(tail, cols, strict=True)):
+        return None
+    return np.broadcast_to(v.reshape(tail), cols).reshape(-1)
 
 
 def unsupported_onnx_equation(e: C.JaxprEqn) -> set[str]:
@@ -325,17 +340,21 @@ class _Exporter:
         return outs
 
     def value(self, a: Any) -> np.ndarray | None:
-        """The value of a literal or of a constant (an initializer) of the current jaxpr."""
+        """The value of a literal or of a constant (an initializer) of the current jaxpr, also
+        reshaped or broadcast (where a rule looks ahead of the equations written so far)."""
         if C.is_literal(a):
             return np.asarray(a.val, a.aval.dtype)
         name = self.env.get(a)
         if name is not None and name in self.values:
             return self.values[name]
-        e = self.graph.made_by(a, "broadcast_in_dim")  # (a constant broadcast to a rank)
+        e = self.graph.made_by(a, *_RESHAPES)  # (a constant reshaped or broadcast to a rank)
         v = None if e is None else self.value(e.invars[0])
         if e is None or v is None:
             return None
-        shape, dims = e.params["shape"], e.params["broadcast_dimensions"]
+        shape = shaped_aval(e.outvars[0]).shape
+        if e.primitive.name != "broadcast_in_dim":
+            return v.reshape(shape)
+        dims = e.params["broadcast_dimensions"]
         expanded = [1] * len(shape)
         for i, d in enumerate(dims):
             expanded[d] = v.shape[i]
@@ -401,8 +420,8 @@ class _Exporter:
             if e.outvars[0] in self.broadcasting:  # its users broadcast it themselves
                 return r
             return self.node("Expand", [r[0], self.const(shape, np.int64)])
-        if name in ("reshape", "squeeze", "expand_dims"):
-            return self.node("Reshape", [ins[0], self.const(out_aval.shape, np.int64)])
+        if name in ("reshape", "squeeze", "expand_dims"):  # (of a constant: a constant)
+            return [self.reshape(ins[0], out_aval.shape)]
         if name == "transpose":
             return self.node("Transpose", ins, perm=list(p["permutation"]))
         if name == "convert_element_type":
@@ -602,12 +621,13 @@ class _Exporter:
         return out
 
     def int_rescale(
-        self, v: Any, n: int
+        self, v: Any, cols: tuple[int, ...]
     ) -> tuple[np.ndarray | None, list[C.JaxprEqn], C.JaxprEqn, np.ndarray]:
         """For an int32 sum ``v`` only read as ``float(v - t) * y``, ``t`` constant (or no
-        subtraction) and ``y`` constant float32, one or ``n`` along the last axis: ``t`` (None:
-        none), the subtraction and cast, the equation that writes ``* y``, and ``y``. Raises
-        _NoMatch when ``v`` is not read that way."""
+        subtraction) and ``y`` constant float32, one or one per column along the trailing axes
+        ``cols`` (``(n,)``; a multi-head projection's ``(heads, head_dim)``): ``t`` (None: none),
+        the subtraction and cast, the equation that writes ``* y``, and ``y`` (flattened: one
+        value, or one per column). Raises _NoMatch when ``v`` is not read that way."""
         g = self.graph
         shape, chain, term = shaped_aval(v).shape, [], None
         sub = g.sole_user(v, "sub")
@@ -625,11 +645,12 @@ class _Exporter:
         y = None
         if mul is not None and shaped_aval(mul.outvars[0]).shape == shape:
             y = self.value(mul.invars[1] if mul.invars[0] is cast.outvars[0] else mul.invars[0])
-        if mul is None or y is None or y.dtype != np.float32 or y.size not in (1, n):
+        if mul is None or y is None or y.dtype != np.float32:
             raise _NoMatch("not scaled by constant float32 scales per output")
-        if y.size > 1 and y.shape[-1] != n:
+        flat = _columns(y, cols)
+        if flat is None:
             raise _NoMatch("scales along another axis than the outputs")
-        return term, chain, mul, y
+        return term, chain, mul, flat
 
     def rescaled(self, e: C.JaxprEqn) -> tuple[C.JaxprEqn, list[C.JaxprEqn], np.ndarray, int]:
         """For an 8-bit dot whose result is only read as ``float(dot - w) * y``, with ``w`` a
@@ -641,16 +662,18 @@ class _Exporter:
         weights = self.value(e.invars[1])
         ya = shaped_aval(e.invars[1])
         fy = [d for d in range(ya.ndim) if d not in cy]
-        if bx or weights is None or weights.dtype != np.int8 or len(fy) != 1:
-            raise _NoMatch("not a dot with constant int8 weights and one output axis")
-        n = ya.shape[fy[0]]
-        w, chain, mul, y = self.int_rescale(e.outvars[0], n)
+        if bx or weights is None or weights.dtype != np.int8 or not fy:
+            raise _NoMatch("not a dot with constant int8 weights and output axes")
+        free = tuple(ya.shape[d] for d in fy)  # (the output's trailing axes, in this order)
+        n = math.prod(free)
+        w, chain, mul, y = self.int_rescale(e.outvars[0], free)
         cols = np.transpose(weights, [*cy, *fy]).reshape(-1, n).astype(np.int64).sum(0)
         c = 0
         if w is not None:
-            if w.size not in (1, n) or (w.size > 1 and w.shape[-1] != n):
+            per_col = _columns(w, free)
+            if per_col is None:
                 raise _NoMatch("a zero-point term that is not per column")
-            terms = np.broadcast_to(w.reshape(-1), (n,)).astype(np.int64)
+            terms = np.broadcast_to(per_col, (n,)).astype(np.int64)
             nz = np.flatnonzero(cols)
             c = int(terms[nz[0]] // cols[nz[0]]) if nz.size else 0
             if not np.array_equal(terms, c * cols):
@@ -778,37 +801,67 @@ class _Exporter:
         mean = self.unshaped(sub.invars[1])
         return (sub.invars[0], mean) if self.mean_of(mean, n) is sub.invars[0] else None
 
+    def squared(self, v: Any) -> Any:
+        """``x`` where ``v`` is ``x^2`` (``square``, ``integer_pow`` 2 or ``x * x``), else None."""
+        sq = self.graph.made_by(v, "square", "integer_pow", "mul")
+        if sq is None or (sq.primitive.name == "integer_pow" and sq.params["y"] != 2):
+            return None
+        if sq.primitive.name == "mul" and sq.invars[0] is not sq.invars[1]:
+            return None
+        return sq.invars[0]
+
+    def variance(self, v: Any, n: int, here: tuple[Any, Any]) -> bool:
+        """Whether ``v`` is the variance over the last axis of ``x`` centered as ``here`` (``(x,
+        mean)``): the mean of ``(x - mean)^2``, or Flax's ``max(E[x^2] - mean^2, 0)``."""
+        if self.centered(self.squared(self.mean_of(v, n)), n) == here:  # (maybe written twice)
+            return True
+        v = self.unshaped(v)
+        floor = self.graph.made_by(v, "max")  # (Flax clamps what rounding puts below 0)
+        if floor is not None:
+            zero = [self.is_scalar(a, 0.0) for a in floor.invars]
+            v = floor.invars[1] if zero[0] else floor.invars[0] if zero[1] else None
+        sub = self.graph.made_by(v, "sub")
+        x, mean = here
+        return (
+            sub is not None
+            and self.squared(self.mean_of(sub.invars[0], n)) is x
+            and self.squared(sub.invars[1]) is mean
+        )
+
     def layer_norm(self, e: C.JaxprEqn) -> str | None:
         """``(x - mean) * rsqrt(var + eps)`` over the last axis (``var`` the mean of ``(x -
-        mean)^2``), then ``* scale + bias`` (constants) if they follow, as ``LayerNormalization``
-        of the centered ``x - mean``: its numbers within float rounding of XLA's (ONNX Runtime
-        computes the variance as ``E[d^2] - E[d]^2``, which loses nothing once ``d`` is
-        centered), one pass instead of five. None: not that pattern."""
+        mean)^2``, or Flax's ``E[x^2] - mean^2`` floored at 0), then ``* scale + bias``
+        (constants) if they follow (Flax multiplies the scale into the ``rsqrt`` first), as
+        ``LayerNormalization`` of the centered ``x - mean``: its numbers within float rounding
+        of XLA's (ONNX Runtime computes the variance as ``E[d^2] - E[d]^2``, which loses nothing
+        once ``d`` is centered; Flax's form loses what cancels where ``|mean|`` dwarfs the
+        spread, ONNX Runtime's does not), one pass instead of five. None: not that pattern."""
         g = self.graph
         shape = shaped_aval(e.outvars[0]).shape
         if not shape:
             return None
         n = shape[-1]
         for d, r in (e.invars, e.invars[::-1]):
-            rs = g.made_by(self.unshaped(r), "rsqrt")
+            r, first = self.unshaped(r), None
+            if (m := g.made_by(r, "mul")) is not None:  # rsqrt(var + eps) * scale
+                for a, b in (m.invars, m.invars[::-1]):
+                    v = self.value(b)
+                    col = None if v is None or v.dtype != np.float32 else _columns(v, (n,))
+                    if col is not None:
+                        r, first = self.unshaped(a), np.broadcast_to(col, (n,))
+                        break
+            rs = g.made_by(r, "rsqrt")
             plus = None if rs is None else g.made_by(rs.invars[0], "add")
             here = self.centered(d, n)
             if plus is None or here is None or shaped_aval(d).shape != tuple(shape):
                 continue
             i = 0 if self.value(plus.invars[1]) is not None else 1  # (var + eps, or eps + var)
             eps = self.value(plus.invars[1 - i])
-            sq = g.made_by(self.mean_of(plus.invars[i], n), "square", "integer_pow", "mul")
-            if eps is None or eps.size != 1 or sq is None:
-                continue
-            if sq.primitive.name == "integer_pow" and sq.params["y"] != 2:
-                continue
-            if sq.primitive.name == "mul" and sq.invars[0] is not sq.invars[1]:
-                continue
-            if self.centered(sq.invars[0], n) != here:  # (the same x - mean, maybe written twice)
+            if eps is None or eps.size != 1 or not self.variance(plus.invars[i], n, here):
                 continue
             out, chain = e.outvars[0], []
-            vectors = []
-            for op in ("mul", "add"):
+            vectors = [] if first is None else [first.astype(np.float32)]
+            for op in ("mul", "add")[len(vectors) :]:
                 nxt = g.sole_user(out, op)
                 other = None if nxt is None else nxt.invars[1 if nxt.invars[0] is out else 0]
                 v = None if other is None else self.value(other)
@@ -927,26 +980,27 @@ class _Exporter:
             for c in cases
         } <= {"nan", 0.0}
 
-    def biased(self, mul: C.JaxprEqn, n: int) -> tuple[list[C.JaxprEqn], Any, Any]:
-        """After ``float(dot) * y``: ``+ bias`` (constant, per column), possibly after ``+`` a NaN
-        row, or the NaN row alone. Returns the equations of that, the bias as a vector (None: no
-        bias) and the NaN row to add after the fused kernel (None: none)."""
+    def biased(self, mul: C.JaxprEqn, n: int, axes: int = 1) -> tuple[list[C.JaxprEqn], Any, Any]:
+        """After ``float(dot) * y`` (``n`` scales over the last ``axes`` axes, or one): ``+
+        bias`` (constant, per column), possibly after ``+`` a NaN row, or the NaN row alone.
+        Returns the equations of that, the bias as a vector (None: no bias) and the NaN row to
+        add after the fused kernel (None: none)."""
         g = self.graph
         add = g.sole_user(mul.outvars[0], "add")
         if add is None:
             return [], None, None
         out = shaped_aval(mul.outvars[0]).shape
-        size = out[-1] if out else 1
+        cols = tuple(out[len(out) - axes :])
+        size = math.prod(cols)
 
         def vector(add: C.JaxprEqn | None, v: Any) -> Any:  # the constant added to v, if a bias
             if add is None or shaped_aval(add.outvars[0]).shape != out or n not in (1, size):
                 return None
             bias = self.value(add.invars[1] if add.invars[0] is v else add.invars[0])
-            if bias is None or bias.dtype != np.float32 or bias.size not in (1, size):
+            per_col = None if bias is None or bias.dtype != np.float32 else _columns(bias, cols)
+            if per_col is None:
                 return None
-            if bias.size > 1 and bias.shape[-1] != size:
-                return None
-            return np.broadcast_to(bias.reshape(-1), (size,)).astype(np.float32)
+            return np.broadcast_to(per_col, (size,)).astype(np.float32)
 
         bias = vector(add, mul.outvars[0])
         if bias is not None:
@@ -1099,7 +1153,7 @@ class _Exporter:
         ):
             raise _NoMatch("not a channels-last int8 convolution with constant weights")
         n = out.shape[-1]
-        term, chain, mul, y = self.int_rescale(e.outvars[0], n)
+        term, chain, mul, y = self.int_rescale(e.outvars[0], (n,))
         if term is not None and (term.ndim != rank or term.shape[0] != 1):
             raise _NoMatch("a zero-point term per sample")
         scale = np.broadcast_to(y.reshape(-1), (n,)).astype(np.float64)
@@ -1341,7 +1395,7 @@ class _Exporter:
                     ins_ = [x, y, self.const(1.0, np.float32)]
                     ins_ += [self.const(scales.reshape(-1 if scales.size > 1 else ()))]
                     ins_ += [self.const(a_zp, np.uint8)]
-                    after, bias, poison = self.biased(mul, scales.size)
+                    after, bias, poison = self.biased(mul, scales.size, len(fy))
                     chain = [*chain, mul, *after]
                     last = chain.pop()
                     if bias is not None:
