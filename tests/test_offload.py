@@ -230,6 +230,28 @@ def test_multi_head_projections_fuse_like_dense_layers(scales, bias):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("per_column", [True, False])
+def test_weights_on_the_left_fuse_like_dense_layers(per_column):
+    # (Equinox's Linear computes w @ x per example: under vmap, dot_general(w, x) is [out, rows],
+    # rescaled per row of it, then transposed)
+    rng = np.random.default_rng(2)
+    w, x = codes(rng, (6, 16)), codes(rng, (5, 16), np.uint8)
+    term = (3 * w.astype(np.int32).sum(1, keepdims=True)).astype(np.int32)  # ([out, 1])
+    s = rng.uniform(1e-3, 1e-2, size=(6, 1) if per_column else ()).astype(np.float32)
+    b = rng.normal(size=6).astype(np.float32)
+    xf = rng.normal(size=(1, 5)).astype(np.float32)
+    xf[0, 3] = np.nan  # (a NaN row of the input: a NaN column of w @ x)
+
+    def f(x, xf):
+        acc = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        y = (acc - term).astype(jnp.float32) * s + xf * np.float32(0)
+        return y.T + b
+
+    (got,), ops = run_onnx_ops(f, x, xf)
+    assert "MatMulIntegerToFloat" in ops and "MatMulInteger" not in ops
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, xf)))
+
+
 def test_a_flax_scanned_transformer_offloads_into_onnx_runtimes_fused_kernels():
     # (a model written with Flax's own layers, as users write them: its projections, layer norms
     # and GELU meet ONNX Runtime's fused kernels, and its stacked weights are initializers)

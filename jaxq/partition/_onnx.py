@@ -119,18 +119,25 @@ def _limit(e: C.JaxprEqn) -> str | None:
     return None
 
 
-def _columns(v: np.ndarray, cols: tuple[int, ...]) -> np.ndarray | None:
-    """``v`` as one value per column of the trailing axes ``cols``, flattened (one value as it
-    is), where it broadcasts against them with no leading axes of its own (a multi-head
-    projection's scales per head, ``[1, 1, heads, 1]``, against ``(heads, head_dim)``); else
-    None."""
+def _columns(v: np.ndarray, shape: Sequence[int], axes: Sequence[int]) -> np.ndarray | None:
+    """``v``, broadcast against ``shape``, as one value per column along ``axes`` (increasing),
+    flattened (one value as it is), where it is constant along the other axes (a multi-head
+    projection's scales per head, ``[1, 1, heads, 1]``, against ``[b, t, heads, head_dim]`` along
+    the last two); else None."""
     if v.size == 1:
         return v.reshape(())
-    lead, tail = v.shape[: max(v.ndim - len(cols), 0)], v.shape[max(v.ndim - len(cols), 0) :]
-    tail = (1,) * (len(cols) - len(tail)) + tail
-    if any(d != 1 for d in lead) or any(t not in (1, c) for t, c in zip(tail, cols, strict=True)):
+    if v.ndim > len(shape):
+        if any(d != 1 for d in v.shape[: v.ndim - len(shape)]):
+            return None
+        v = v.reshape(v.shape[v.ndim - len(shape) :])
+    v = v.reshape((1,) * (len(shape) - v.ndim) + v.shape)
+    if any(
+        d not in ((1, n) if a in axes else (1,))
+        for a, (d, n) in enumerate(zip(v.shape, shape, strict=True))
+    ):
         return None
-    return np.broadcast_to(v.reshape(tail), cols).reshape(-1)
+    cols = [shape[a] for a in axes]
+    return np.broadcast_to(v.reshape([v.shape[a] for a in axes]), cols).reshape(-1)
 
 
 def unsupported_onnx_equation(e: C.JaxprEqn) -> set[str]:
@@ -621,13 +628,13 @@ class _Exporter:
         return out
 
     def int_rescale(
-        self, v: Any, cols: tuple[int, ...]
+        self, v: Any, axes: Sequence[int]
     ) -> tuple[np.ndarray | None, list[C.JaxprEqn], C.JaxprEqn, np.ndarray]:
         """For an int32 sum ``v`` only read as ``float(v - t) * y``, ``t`` constant (or no
-        subtraction) and ``y`` constant float32, one or one per column along the trailing axes
-        ``cols`` (``(n,)``; a multi-head projection's ``(heads, head_dim)``): ``t`` (None: none),
-        the subtraction and cast, the equation that writes ``* y``, and ``y`` (flattened: one
-        value, or one per column). Raises _NoMatch when ``v`` is not read that way."""
+        subtraction) and ``y`` constant float32, one or one per column along ``v``'s ``axes``
+        (its last; a multi-head projection's heads and head dim): ``t`` (None: none), the
+        subtraction and cast, the equation that writes ``* y``, and ``y`` (flattened: one value,
+        or one per column). Raises _NoMatch when ``v`` is not read that way."""
         g = self.graph
         shape, chain, term = shaped_aval(v).shape, [], None
         sub = g.sole_user(v, "sub")
@@ -647,30 +654,34 @@ class _Exporter:
             y = self.value(mul.invars[1] if mul.invars[0] is cast.outvars[0] else mul.invars[0])
         if mul is None or y is None or y.dtype != np.float32:
             raise _NoMatch("not scaled by constant float32 scales per output")
-        flat = _columns(y, cols)
+        flat = _columns(y, shape, axes)
         if flat is None:
             raise _NoMatch("scales along another axis than the outputs")
         return term, chain, mul, flat
 
-    def rescaled(self, e: C.JaxprEqn) -> tuple[C.JaxprEqn, list[C.JaxprEqn], np.ndarray, int]:
-        """For an 8-bit dot whose result is only read as ``float(dot - w) * y``, with ``w`` a
-        constant zero-point term and ``y`` constant scales per output column: the equation that
-        writes ``* y``, those between, ``y``, and the activation zero point ``c`` for which
-        ``w = c * (column sums of the weights)``, checked on the values. Raises _NoMatch when
-        the dot is not read that way."""
-        (_, cy), (bx, _) = e.params["dimension_numbers"]
-        weights = self.value(e.invars[1])
-        ya = shaped_aval(e.invars[1])
-        fy = [d for d in range(ya.ndim) if d not in cy]
-        if bx or weights is None or weights.dtype != np.int8 or not fy:
+    def rescaled(self, e: C.JaxprEqn) -> tuple[int, C.JaxprEqn, list[C.JaxprEqn], np.ndarray, int]:
+        """For an 8-bit dot of constant int8 weights (either operand: Equinox's ``Linear``
+        writes ``w @ x``) whose result is only read as ``float(dot - w) * y``, with ``w`` a
+        constant zero-point term and ``y`` constant scales per output column: the weights'
+        operand index, the equation that writes ``* y``, those between, ``y``, and the
+        activation zero point ``c`` for which ``w = c * (column sums of the weights)``, checked
+        on the values. Raises _NoMatch when the dot is not read that way."""
+        (lc, rc), (bx, _) = e.params["dimension_numbers"]
+        values = [self.value(v) for v in e.invars]
+        wi = 1 if values[1] is not None and values[1].dtype == np.int8 else 0
+        weights, cw = values[wi], (lc, rc)[wi]
+        wa = shaped_aval(e.invars[wi])
+        fw = [d for d in range(wa.ndim) if d not in cw]
+        if bx or weights is None or weights.dtype != np.int8 or not fw:
             raise _NoMatch("not a dot with constant int8 weights and output axes")
-        free = tuple(ya.shape[d] for d in fy)  # (the output's trailing axes, in this order)
-        n = math.prod(free)
-        w, chain, mul, y = self.int_rescale(e.outvars[0], free)
-        cols = np.transpose(weights, [*cy, *fy]).reshape(-1, n).astype(np.int64).sum(0)
+        n = math.prod(wa.shape[d] for d in fw)
+        out_rank = len(shaped_aval(e.outvars[0]).shape)  # ([lhs free..., rhs free...])
+        axes = range(out_rank - len(fw), out_rank) if wi == 1 else range(len(fw))
+        w, chain, mul, y = self.int_rescale(e.outvars[0], axes)
+        cols = np.transpose(weights, [*cw, *fw]).reshape(-1, n).astype(np.int64).sum(0)
         c = 0
         if w is not None:
-            per_col = _columns(w, free)
+            per_col = _columns(w, shaped_aval(e.outvars[0]).shape, axes)
             if per_col is None:
                 raise _NoMatch("a zero-point term that is not per column")
             terms = np.broadcast_to(per_col, (n,)).astype(np.int64)
@@ -678,7 +689,7 @@ class _Exporter:
             c = int(terms[nz[0]] // cols[nz[0]]) if nz.size else 0
             if not np.array_equal(terms, c * cols):
                 raise _NoMatch("a zero-point term that is not the weights' column sums")
-        return mul, chain, y, c
+        return wi, mul, chain, y, c
 
     def gelu(self, e: C.JaxprEqn) -> tuple[str, Any] | None:
         """``jax.nn.gelu``'s product, as ONNX Runtime's fused kernel and its input: ``Gelu``
@@ -846,7 +857,7 @@ class _Exporter:
             if (m := g.made_by(r, "mul")) is not None:  # rsqrt(var + eps) * scale
                 for a, b in (m.invars, m.invars[::-1]):
                     v = self.value(b)
-                    col = None if v is None or v.dtype != np.float32 else _columns(v, (n,))
+                    col = None if v is None or v.dtype != np.float32 else _columns(v, (n,), (0,))
                     if col is not None:
                         r, first = self.unshaped(a), np.broadcast_to(col, (n,))
                         break
@@ -980,24 +991,28 @@ class _Exporter:
             for c in cases
         } <= {"nan", 0.0}
 
-    def biased(self, mul: C.JaxprEqn, n: int, axes: int = 1) -> tuple[list[C.JaxprEqn], Any, Any]:
-        """After ``float(dot) * y`` (``n`` scales over the last ``axes`` axes, or one): ``+
-        bias`` (constant, per column), possibly after ``+`` a NaN row, or the NaN row alone.
-        Returns the equations of that, the bias as a vector (None: no bias) and the NaN row to
-        add after the fused kernel (None: none)."""
+    def biased(
+        self, mul: C.JaxprEqn, n: int, axes: Sequence[int] | None = None
+    ) -> tuple[list[C.JaxprEqn], Any, Any]:
+        """After ``float(dot) * y`` (``n`` scales along the output's ``axes``, default its last,
+        or one): ``+ bias`` (constant, per column), possibly after ``+`` a NaN row, or the NaN
+        row alone. Returns the equations of that, the bias as a vector (None: no bias) and the
+        NaN row to add after the fused kernel (None: none)."""
         g = self.graph
         add = g.sole_user(mul.outvars[0], "add")
         if add is None:
             return [], None, None
         out = shaped_aval(mul.outvars[0]).shape
-        cols = tuple(out[len(out) - axes :])
-        size = math.prod(cols)
+        axes = (len(out) - 1,) if axes is None else axes
+        size = math.prod(out[a] for a in axes)
 
         def vector(add: C.JaxprEqn | None, v: Any) -> Any:  # the constant added to v, if a bias
             if add is None or shaped_aval(add.outvars[0]).shape != out or n not in (1, size):
                 return None
             bias = self.value(add.invars[1] if add.invars[0] is v else add.invars[0])
-            per_col = None if bias is None or bias.dtype != np.float32 else _columns(bias, cols)
+            per_col = (
+                None if bias is None or bias.dtype != np.float32 else _columns(bias, out, axes)
+            )
             if per_col is None:
                 return None
             return np.broadcast_to(per_col, (size,)).astype(np.float32)
@@ -1153,7 +1168,7 @@ class _Exporter:
         ):
             raise _NoMatch("not a channels-last int8 convolution with constant weights")
         n = out.shape[-1]
-        term, chain, mul, y = self.int_rescale(e.outvars[0], (n,))
+        term, chain, mul, y = self.int_rescale(e.outvars[0], (rank - 1,))
         if term is not None and (term.ndim != rank or term.shape[0] != 1):
             raise _NoMatch("a zero-point term per sample")
         scale = np.broadcast_to(y.reshape(-1), (n,)).astype(np.float64)
@@ -1364,6 +1379,64 @@ class _Exporter:
         )[0]
         return [self.transpose(y, [int(d) for d in np.argsort(perm)])]
 
+    def fused_dot(self, e: C.JaxprEqn, ins: list[str]) -> list[str] | None:
+        """An 8-bit dot that is only rescaled (see :meth:`rescaled`) as one
+        ``MatMulIntegerToFloat`` of the activations ``[m, k]`` (shifted into uint8) and the
+        weights ``[k, n]``: ``float(dot - w) * y`` is ``(x - a_zp) w * (1 * y)``, the same floats.
+        Weights on the left (``w @ x``) give the product transposed, transposed back. None: not
+        that pattern."""
+        try:
+            wi, mul, chain, scales, c = self.rescaled(e)
+        except _NoMatch:
+            return None
+        ai = 1 - wi
+        contract = e.params["dimension_numbers"][0]
+        aa, wa = shaped_aval(e.invars[ai]), shaped_aval(e.invars[wi])
+        ca, cw = contract[ai], contract[wi]
+        fa = [d for d in range(aa.ndim) if d not in ca]
+        fw = [d for d in range(wa.ndim) if d not in cw]
+        a_free, w_free = [aa.shape[d] for d in fa], [wa.shape[d] for d in fw]
+        m, k, n = math.prod(a_free), math.prod(aa.shape[d] for d in ca), math.prod(w_free)
+        a_zp = c + (0 if np.dtype(aa.dtype) == np.uint8 else 128)
+        if not 0 <= a_zp <= 255:
+            return None
+        x, _ = self.shifted_u8(ins[ai], aa.dtype)
+        # ([..., k] x [k, n], as a dense layer reads its input: MatMul broadcasts, no reshapes)
+        flat = wi == 1 and tuple(ca) == (aa.ndim - 1,) and len(fw) == 1 and aa.ndim > 2
+        if not flat:
+            x = self.reshape(self.transpose(x, [*fa, *ca]), [m, k])
+        y = self.reshape(self.transpose(ins[wi], [*cw, *fw]), [k, n])
+        ins_ = [x, y, self.const(1.0, np.float32)]
+        ins_ += [self.const(scales.reshape(-1 if scales.size > 1 else ()))]
+        ins_ += [self.const(a_zp, np.uint8)]
+        out_rank = len(fa) + len(fw)
+        axes = range(out_rank - len(fw), out_rank) if wi == 1 else range(len(fw))
+        after, bias, poison = self.biased(mul, scales.size, axes)
+        chain = [*chain, mul, *after]
+        last = chain.pop()
+        if bias is not None:
+            ins_ += ["", self.const(bias)]
+        fused = self.node("MatMulIntegerToFloat", ins_, domain="com.microsoft")
+        self.contrib = True
+        shape = list(shaped_aval(mul.outvars[0]).shape)
+        out = fused[0]
+        if wi == 0:  # ([a free..., w free...] -> the dot's [w free..., a free...])
+            out = self.reshape(out, [*a_free, *w_free])
+            perm = [*range(len(fa), out_rank), *range(len(fa))]
+            out = self.transpose(out, perm)
+        elif not flat or shape != [*aa.shape[:-1], n]:
+            out = self.reshape(out, shape)
+        self.done.update({id(q): None for q in chain})
+        self.done[id(last)] = (out, poison)
+        weights = self.values.get(y)
+        if weights is not None:  # (|x - zp| <= 255 for uint8 codes)
+            col = np.abs(weights.reshape(k, n).astype(np.float64)).sum(0) * 255
+            top = float((col * np.abs(scales.reshape(-1))).max())
+            top += 0.0 if bias is None else float(np.abs(bias).max())
+            if top < 1e30:  # (its NaN rows: where run() adds the late poison)
+                self.bounded[last.outvars[0]] = top
+        return fused
+
     def dot_general(self, e: C.JaxprEqn, ins: list[str]) -> list[str]:
         """``dot_general`` as ``MatMul`` (float) or ``MatMulInteger`` (8-bit, the left operand
         shifted into uint8) on ``[rows, k] x [k, cols]`` (with a leading batch axis where the dot
@@ -1377,45 +1450,14 @@ class _Exporter:
         b, m, k, n = size(xa, bx), size(xa, fx), size(xa, cx), size(ya, fy)
         lead = [b] if bx else []
         integer = np.dtype(xa.dtype) in _INT8
+        if integer and self.fuse and (fused := self.fused_dot(e, ins)) is not None:
+            return fused  # (the dot's own int32 result is never read)
         x, zp = self.shifted_u8(ins[0], xa.dtype) if integer else (ins[0], None)
         # ([..., k] x [k, n], as a dense layer reads its input: MatMul broadcasts, no reshapes)
         flat = not bx and tuple(cx) == (xa.ndim - 1,) and len(fy) == 1 and xa.ndim > 2
         if not flat:
             x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
         y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
-        if integer and self.fuse:
-            try:
-                mul, chain, scales, c = self.rescaled(e)
-            except _NoMatch:
-                pass
-            else:
-                a_zp = c + (0 if np.dtype(xa.dtype) == np.uint8 else 128)
-                if 0 <= a_zp <= 255:
-                    # float(dot - w) * y in one kernel: (x - a_zp) w * (1 * y), the same floats
-                    ins_ = [x, y, self.const(1.0, np.float32)]
-                    ins_ += [self.const(scales.reshape(-1 if scales.size > 1 else ()))]
-                    ins_ += [self.const(a_zp, np.uint8)]
-                    after, bias, poison = self.biased(mul, scales.size, len(fy))
-                    chain = [*chain, mul, *after]
-                    last = chain.pop()
-                    if bias is not None:
-                        ins_ += ["", self.const(bias)]
-                    fused = self.node("MatMulIntegerToFloat", ins_, domain="com.microsoft")
-                    self.contrib = True
-                    shape = list(shaped_aval(mul.outvars[0]).shape)
-                    out = fused
-                    if not flat or shape != [*xa.shape[:-1], n]:
-                        out = self.node("Reshape", [fused[0], self.const(shape, np.int64)])
-                    self.done.update({id(q): None for q in chain})
-                    self.done[id(last)] = (out[0], poison)
-                    weights = self.values.get(y)
-                    if weights is not None:  # (|x - zp| <= 255 for uint8 codes)
-                        col = np.abs(weights.reshape(k, n).astype(np.float64)).sum(0) * 255
-                        top = float((col * np.abs(scales.reshape(-1))).max())
-                        top += 0.0 if bias is None else float(np.abs(bias).max())
-                        if top < 1e30:  # (its NaN rows: where run() adds the late poison)
-                            self.bounded[last.outvars[0]] = top
-                    return fused  # (the dot's own int32 result is never read)
         if integer:
             zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
             out = self.node("MatMulInteger", [x, y, *zps])
