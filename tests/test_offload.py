@@ -252,6 +252,32 @@ def test_weights_on_the_left_fuse_like_dense_layers(per_column):
     np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, xf)))
 
 
+def test_an_equinox_style_layer_norm_before_a_dense_layer_is_one_kernel():
+    # (Equinox's LayerNorm: a mean, jnp.var (its own mean again, and a where on n - ddof), the
+    # variance floored at 0, then weight * out + bias; its Linear: w @ x under vmap)
+    def f(params, x):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.maximum(0.0, jnp.var(x, -1, keepdims=True))
+        h = params["weight"] * ((x - mean) * lax.rsqrt(var + 1e-5)) + params["bias"]
+        return jax.vmap(lambda r: params["w"] @ r)(h)
+
+    params = {
+        "weight": RNG.normal(size=16).astype(np.float32),
+        "bias": RNG.normal(size=16).astype(np.float32),
+        "w": RNG.normal(size=(8, 16)).astype(np.float32),
+    }
+    x = RNG.normal(size=(6, 16)).astype(np.float32)
+    qf = jaxq.quantize(f, params, calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    got = np.asarray(fast(x))
+    (region,) = fast.regions(x)
+    ops = {n.op_type for n in export_onnx(region.program()).graph.node}
+    assert {"LayerNormalization", "MatMulIntegerToFloat"} <= ops
+    assert not {"Where", "Sqrt", "Max", "MatMulInteger"} & ops
+    want = np.asarray(qf(x))
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
 def test_a_flax_scanned_transformer_offloads_into_onnx_runtimes_fused_kernels():
     # (a model written with Flax's own layers, as users write them: its projections, layer norms
     # and GELU meet ONNX Runtime's fused kernels, and its stacked weights are initializers)

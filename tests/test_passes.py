@@ -176,6 +176,18 @@ def test_fold_constants_evaluates_small_constant_subexpressions_only():
         T.fold_constants(-1)
 
 
+@pytest.mark.parametrize("which", [np.True_, np.False_, np.array([True, False, True])])
+def test_fold_constants_picks_the_case_a_constant_predicate_selects(which):
+    # (jnp.var's where(n - ddof > 0, var, nan), inlined: the choice is known before the values)
+    f = lambda x: jax.lax.select_n(jnp.asarray(which), jnp.sin(x), x * 2.0)
+    x = np.linspace(-1, 1, 3).astype(np.float32)
+    folded = T.fold_constants()(jaxq.trace(f, x))
+    prims = [e.primitive for e in folded.equations()]
+    uniform = np.ndim(which) == 0
+    assert ("select_n" in prims) != uniform
+    np.testing.assert_array_equal(folded(x), f(x))
+
+
 def test_fold_constants_runs_on_loops_whose_bodies_hold_constant_subexpressions():
     # (on jax 0.12 a scan body is re-bound without constants of its own: folding an array there
     # raised RewriteError, which broke jaxq.offload of every nn.scan layer stack)

@@ -823,16 +823,18 @@ class _Exporter:
 
     def variance(self, v: Any, n: int, here: tuple[Any, Any]) -> bool:
         """Whether ``v`` is the variance over the last axis of ``x`` centered as ``here`` (``(x,
-        mean)``): the mean of ``(x - mean)^2``, or Flax's ``max(E[x^2] - mean^2, 0)``."""
-        if self.centered(self.squared(self.mean_of(v, n)), n) == here:  # (maybe written twice)
-            return True
+        mean)``): the mean of ``(x - mean)^2`` (the mean maybe computed again, as ``jnp.var``
+        does), or Flax's ``E[x^2] - mean^2``; either maybe floored at 0 (Flax, Equinox)."""
         v = self.unshaped(v)
-        floor = self.graph.made_by(v, "max")  # (Flax clamps what rounding puts below 0)
+        floor = self.graph.made_by(v, "max")  # (what rounding puts below 0, clamped)
         if floor is not None:
             zero = [self.is_scalar(a, 0.0) for a in floor.invars]
             v = floor.invars[1] if zero[0] else floor.invars[0] if zero[1] else None
-        sub = self.graph.made_by(v, "sub")
         x, mean = here
+        again = self.centered(self.squared(self.mean_of(v, n)), n)
+        if again is not None and again[0] is x:  # (centered by a mean of the same x)
+            return True
+        sub = self.graph.made_by(v, "sub")
         return (
             sub is not None
             and self.squared(self.mean_of(sub.invars[0], n)) is x

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxq import _compat as C
 from jaxq import _names
@@ -109,9 +110,11 @@ def fold_constants(max_elements: int = 4096) -> Pass:
     Scale arithmetic on constant params (an activation scale times a weight scale, a zero point's
     dtype) then reaches a backend as one constant instead of equations of its own; results larger
     than ``max_elements`` (a weight dequantized to float) stay computed at run time, so the program
-    does not grow by a copy of the model. Equations with effects and sub-programs (jit, scan, ...)
-    are left as they are; their equations are folded inside, except in bodies that JAX re-binds
-    without constants of their own (``scan`` / ``while`` bodies on newer JAX).
+    does not grow by a copy of the model. A ``select_n`` whose constant predicate picks one case
+    (``jnp.var``'s ``where(n - ddof > 0, ...)``) is that case. Equations with effects and
+    sub-programs (jit, scan, ...) are left as they are; their equations are folded inside, except
+    in bodies that JAX re-binds without constants of their own (``scan`` / ``while`` bodies on
+    newer JAX).
     """
     if not isinstance(max_elements, int) or max_elements < 0:
         raise ValueError(f"fold_constants: max_elements must be an int >= 0; got {max_elements!r}")
@@ -121,6 +124,10 @@ def fold_constants(max_elements: int = 4096) -> Pass:
         small = all(math.prod(v.aval.shape) <= max_elements for v in eqn.outvars)
         if visit.in_open_body:  # (a loop body re-bound without constants: left as it is)
             return visit.bind(*invals)
+        if eqn.primitive.name == "select_n" and not C.is_tracer(invals[0]):
+            which = np.asarray(invals[0])
+            if which.size and (which == which.flat[0]).all():  # (one case chosen: that case)
+                return invals[1 + int(which.flat[0])]
         if invals and small and not eqn.effects and not any(C.is_tracer(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
