@@ -1,5 +1,7 @@
 """How weight codes are chosen: minmax, MSE clipping and GPTQ (QConfig.weight_calibration)."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_quantize_pipeline import reference_dense
 
+import jaxq
 import jaxq.quantize as Q
 from jaxq.quantize import QConfig, QuantizeError, Scheme
 from jaxq.quantize._gptq import gptq_codes
@@ -152,3 +155,31 @@ def test_weight_calibration_validation():
         QConfig(gptq_damp=0)
     with pytest.raises(TypeError, match="gptq_damp"):
         QConfig(gptq_damp="big")
+
+
+@pytest.mark.parametrize(
+    "config, closed",
+    [(QConfig(), False), (QConfig(), True), (QConfig(requantize="fixed_point"), True)],
+)
+def test_weights_on_the_left_realize_like_weights_on_the_right(config, closed):
+    # (Equinox's Linear: w @ x per example, under vmap dot_general(w, x) then a transpose.
+    # realize runs it as x @ w, XLA:CPU's fast int8 orientation, with the same integers and
+    # floats as the layer written x @ w.T, NaN rows included; no bias, which XLA may or may not
+    # contract with the rescale into one FMA depending on the layout around it)
+    rng = np.random.default_rng(3)
+    params = {"w": rng.normal(size=(8, 16)).astype(np.float32)}
+    left = lambda p, x: jax.nn.relu(jax.vmap(lambda r: p["w"] @ r)(x))
+    right = lambda p, x: jax.nn.relu(x @ p["w"].T)
+    x = rng.normal(size=(5, 16)).astype(np.float32)
+    x[2, 3] = np.nan
+    qs = [
+        jaxq.quantize(functools.partial(f, params), calibration=[(x[:2],)], config=config)
+        if closed
+        else jaxq.quantize(f, params, calibration=[(x[:2],)], config=config)
+        for f in (left, right)
+    ]
+    ys = [np.asarray(jax.jit(q)(x)) for q in qs]
+    np.testing.assert_array_equal(ys[0], ys[1])
+    assert np.isnan(ys[0][2]).all() and not np.isnan(ys[0][[0, 1, 3, 4]]).any()
+    dots = [e for e in qs[0].program.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [d.invars[1].aval.shape for d in dots] == [(8, 16)]  # (the weight codes on the right)
