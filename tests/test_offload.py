@@ -678,6 +678,39 @@ def test_nan_rows_known_from_an_earlier_layer_are_not_checked_again():
     assert second == ["QuantizeLinear"]
 
 
+def test_a_nan_row_read_by_several_layers_is_written_once():
+    # Q, K and V of one input (as in attention): one NaN row, |sum(x * 0)|, added as it is to
+    # each layer's output (realize's reshape, |.| and * 0 of it per layer write nothing more)
+    rng = np.random.default_rng(4)
+    ws = tuple((rng.normal(size=(3, 16, 16)) / 4).astype(np.float32))
+
+    def qkv(params, x):
+        q, k, v = (x @ w for w in params)
+        return q * k + v
+
+    x = rng.normal(size=(6, 16)).astype(np.float32)
+    qf = jaxq.quantize(qkv, ws, calibration=[(x,)], progress=False)
+    fast = jaxq.offload(qf)
+    x[2, 3], x[4, 0] = np.nan, np.inf
+    want = np.asarray(qf(x))
+    assert np.isnan(want[[2, 4]]).all() and not np.isnan(want[[0, 1, 3, 5]]).any()
+    np.testing.assert_array_equal(np.asarray(jax.jit(fast)(x)), want)
+    (region,) = fast.regions(x)
+    nodes = export_onnx(region.program()).graph.node
+    ops = [n.op_type for n in nodes]
+    assert ops.count("MatMulIntegerToFloat") == 3
+    assert ops.count("ReduceSum") == 1 and ops.count("Abs") == 1
+    poisons = set()
+    for out in (n.output[0] for n in nodes if n.op_type == "MatMulIntegerToFloat"):
+        (reader,) = [n for n in nodes if out in n.input]
+        while reader.op_type == "Reshape":  # (realize's own layout of the product)
+            out = reader.output[0]
+            (reader,) = [n for n in nodes if out in n.input]
+        assert reader.op_type == "Add"
+        poisons |= set(reader.input) - {out}
+    assert len(poisons) == 1  # (one row, the same for all three)
+
+
 def test_what_onnx_runtime_cannot_run_stays_with_xla_and_is_named():
     def f(params, x):
         with jax.named_scope("Dense_0"):

@@ -236,6 +236,13 @@ class _Exporter:
         """Values with no negative value and no -0 (an ``Abs``'s, reshaped or scaled)."""
         self.reshape_of: dict[str, str] = {}
         """Values a ``Reshape`` wrote: its input."""
+        self.shape_of: dict[str, tuple[int, ...]] = {}
+        """Shapes of values a ``Reshape`` to a constant shape wrote (and ``|.|`` of them)."""
+        self.zero_or_nan: set[str] = set()
+        """Values that hold only +-0 and NaN: NaN rows, and what reshapes, ``|.|`` and sums of
+        them make."""
+        self.written: dict[Any, list[str]] = {}
+        """Nodes written: (op, inputs, outputs, attributes) -> their outputs' names."""
         self.isnan_of: dict[str, str] = {}
         """Bool values that are ``IsNaN`` of a NaN row (NaN or zero, no other value), reshaped
         any way: that row."""
@@ -289,17 +296,46 @@ class _Exporter:
         return self.node("Reshape", [x, self.const(list(shape), np.int64)])[0]
 
     def node(self, op: str, ins: list[str], n_out: int = 1, **attrs: Any) -> list[str]:
+        """Write ``op`` and return its outputs' names; the names of values already written where
+        the node would recompute one: the same op on the same inputs, a reshape to the shape a
+        value has, ``|x|`` of a value with no sign, a NaN row times +0 (a NaN row is read by
+        every layer it poisons, each time through realize's reshape, ``|.|`` and ``* 0``)."""
         src = ins[0] if ins else None
         target = self.values.get(ins[1]) if op == "Reshape" else None
         if target is not None and src in self.reshape_of and np.all(target != 0):
             ins = [self.reshape_of[src], ins[1]]  # (a reshape of a reshape: one reshape)
-        outs = [self.fresh() for _ in range(n_out)]
+        shape = tuple(int(d) for d in target) if target is not None and np.all(target > 0) else None
+        if shape is not None and self.shape_of.get(ins[0]) == shape:
+            return [ins[0]]
+        if op == "Abs" and src in self.unsigned:
+            return [ins[0]]
+        if op == "Mul" and len(ins) == 2:
+            for x, c in ((ins[0], self.values.get(ins[1])), (ins[1], self.values.get(ins[0]))):
+                if x in self.zero_or_nan and c is not None and c.ndim == 0 and _plus_zero(c):
+                    return [x]
+        key = (op, tuple(ins), n_out, tuple(sorted((k, repr(v)) for k, v in attrs.items())))
+        if key in self.written:
+            return list(self.written[key])
+        outs = self.written[key] = [self.fresh() for _ in range(n_out)]
         self.nodes.append(self.helper.make_node(op, ins, outs, **attrs))
         if op == "Reshape":  # (the same values: what is known of them holds)
             self.reshape_of[outs[0]] = ins[0]
             if src in self.isnan_of:
                 self.isnan_of[outs[0]] = self.isnan_of[src]
-        if op == "Abs" or (op == "Reshape" and src in self.unsigned):
+            if shape is not None:
+                self.shape_of[outs[0]] = shape
+        if op in ("Abs", "Add", "Mul"):  # (elementwise on values of one shape and scalars)
+            scalar = lambda i: i in self.values and self.values[i].ndim == 0
+            shapes = {self.shape_of.get(i) for i in ins if not scalar(i)}
+            if len(shapes) == 1 and None not in shapes:
+                self.shape_of[outs[0]] = shapes.pop()  # type: ignore[assignment]
+        if (op in ("Reshape", "Abs") and src in self.zero_or_nan) or (
+            op == "Add" and all(i in self.zero_or_nan for i in ins)
+        ):
+            self.zero_or_nan.add(outs[0])
+        if (op == "Abs" or (op == "Reshape" and src in self.unsigned)) or (
+            op == "Add" and all(i in self.unsigned for i in ins)
+        ):
             self.unsigned.add(outs[0])
         elif op == "Mul" and len(ins) == 2 and any(i in self.unsigned for i in ins):
             other = self.values.get(ins[1] if ins[0] in self.unsigned else ins[0])
@@ -458,10 +494,12 @@ class _Exporter:
         if name == "select_n" and self.fuse and ins[0] in self.isnan_of:
             # where(isnan(row), NaN, 0) of a NaN row is the row (its zeros made +0)
             if_false, if_true = (self.value(a) for a in e.invars[1:])
-            plus_zero = (
-                if_false is not None and not np.any(if_false) and not np.any(np.signbit(if_false))
-            )
-            if plus_zero and if_true is not None and np.all(np.isnan(if_true)):
+            if (
+                if_false is not None
+                and _plus_zero(if_false)
+                and if_true is not None
+                and np.all(np.isnan(if_true))
+            ):
                 nan_row = self.isnan_of[ins[0]]
                 named = self.reshape(nan_row, out_aval.shape)
                 return [named] if nan_row in self.unsigned else self.node("Abs", [named])
@@ -915,8 +953,7 @@ class _Exporter:
         row, row_shape = self.rows.get(x, (None, ()))
         kept = tuple(1 if i in axes else d for i, d in enumerate(aval.shape))
         if row is not None and tuple(row_shape) == kept:  # (already computed)
-            flat = self.node("Reshape", [row, self.const(list(shape), np.int64)])
-            return self.node("Abs", flat)[0]
+            return self.reshape(self.node("Abs", [row])[0], shape)
         count = int(np.prod([aval.shape[i] for i in axes], dtype=np.int64))
         src, red = self.name_of(x), list(axes)
         if len(axes) > 1 and tuple(axes) == tuple(range(aval.ndim - len(axes), aval.ndim)):
@@ -930,8 +967,11 @@ class _Exporter:
             # (a finite row's sum stays finite: sum(x) * 0 is as good, one pass fewer; and it is
             # the NaN row of x and of what x was scaled from, for later checks)
             total = self.node("ReduceSum", [src, self.const(red, np.int64)], keepdims=1)
+            if len(red) == len(axes):  # (x itself reduced: the kept shape)
+                self.shape_of[total[0]] = kept
             total = self.node("Mul", [total[0], self.const(0, aval.dtype)])
-            named = self.node("Reshape", [total[0], self.const(list(kept), np.int64)])[0]
+            self.zero_or_nan.add(total[0])
+            named = self.reshape(self.node("Abs", total)[0], kept)
             v = x
             while v is not None and shaped_aval(v).shape == aval.shape:
                 self.rows.setdefault(v, (named, kept))
@@ -942,8 +982,8 @@ class _Exporter:
         else:
             times = self.node("Mul", [src, self.const(0, aval.dtype)])
             total = self.node("ReduceSum", [times[0], self.const(red, np.int64)])
-        flat = self.node("Reshape", [total[0], self.const(list(shape), np.int64)])
-        return self.node("Abs", flat)[0]
+        self.zero_or_nan.add(total[0])
+        return self.reshape(self.node("Abs", total)[0], shape)
 
     def magnitude_of(self, v: Any) -> Any:
         """``x`` where ``v`` is ``|x|``, or ``|x|`` with NaN as Inf (realize's NaN-safe form),
@@ -1526,6 +1566,11 @@ def export_onnx(region: Program, *, onnxruntime_ops: bool = True, exact: bool = 
     model = h.make_model(graph, opset_imports=opsets, producer_name="jaxq", ir_version=9)
     onnx.checker.check_model(model)
     return model
+
+
+def _plus_zero(c: np.ndarray) -> bool:
+    """Whether every element of ``c`` is +0."""
+    return not np.any(c) and not np.any(np.signbit(c))
 
 
 @functools.cache
