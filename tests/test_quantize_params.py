@@ -434,6 +434,25 @@ def test_rules_and_group_schemes_on_params():
     assert qf.report().param_bytes < closure.report().param_bytes + 16 * 12 * 4
 
 
+def test_rules_match_the_param_path_of_a_layers_weight():
+    # layers named by primitive only (no named scopes, as in Equinox's vmap(eqx.nn.Linear)/
+    # dot_general_3) are picked by the path of the param they read; closed over, names only
+    def mlp(params, x):
+        for layer in params["layers"]:
+            x = jax.nn.relu(x @ layer["w"])
+        return x
+
+    params = {"layers": [{"w": (RNG.normal(size=(12, 12)) * 0.3).astype(np.float32)}] * 3}
+    cfg = QConfig(rules=(Rule(pattern=r"\['layers'\]\[1\]", weights=Scheme(bits=4)),))
+    qf = Q(mlp, params, calibration=BATCHES, config=cfg, progress=False)
+    assert [layer["w"].bits for layer in qf.params["layers"]] == [8, 4, 8]
+    report = qf.report()
+    assert [r.status for r in report.layers] == ["quantized"] * 3 and not report.unmatched_rules
+    with pytest.warns(UserWarning, match=r"matched no equation.*keystr"):
+        closed = Q(functools.partial(mlp, params), calibration=BATCHES, config=cfg, progress=False)
+    assert closed.report().unmatched_rules  # (constants have no param path)
+
+
 # ---- sharding ----------------------------------------------------------------------------------
 
 

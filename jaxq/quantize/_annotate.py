@@ -88,7 +88,8 @@ def annotate_program(
     if warn and missing:
         warnings.warn(
             "jaxq.quantize: these rules matched no equation (check the patterns against "
-            "[e.name for e in program.equations()]):\n  " + "\n  ".join(missing),
+            "[e.name for e in program.equations()], and with params as an argument against "
+            "their paths, jax.tree_util.keystr of each leaf):\n  " + "\n  ".join(missing),
             UserWarning,
             stacklevel=3,
         )

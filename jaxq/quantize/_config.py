@@ -147,10 +147,13 @@ class Scheme:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule:
-    """Per-layer override, matched against equation names (``CNN/Dense_0/dot_general``).
+    """Per-layer override, matched against equation names (``CNN/Dense_0/dot_general``) and,
+    with params as an argument, the path of the param a layer reads as its weight.
 
     Args:
-      pattern: regular expression searched in the equation name (None matches every name).
+      pattern: regular expression searched in the equation name, and in the weight's param path
+        (``['Dense_0']['kernel']``; Equinox: ``.blocks[1].fc2.weight``, where the names hold no
+        attribute paths); None matches every layer.
       primitives: primitive names the rule applies to (None: any quantizable primitive).
         Three primitives are quantized only where a rule names them here, weights only:
         ``"add"`` and ``"mul"`` (a constant bias or scale), and ``"gather"``: a lookup of whole
@@ -197,11 +200,14 @@ class Rule:
         if not isinstance(self.skip, bool):
             raise TypeError(f"Rule: skip must be a bool; got {self.skip!r}")
 
-    def matches(self, name: str, primitive: str) -> bool:
-        """Whether this rule applies to the equation ``name`` of primitive ``primitive``."""
+    def matches(self, name: str, primitive: str, path: str | None = None) -> bool:
+        """Whether this rule applies to the equation ``name`` of primitive ``primitive``, whose
+        weight is the param at ``path`` (None: a constant, or no weight)."""
         if self.primitives is not None and primitive not in self.primitives:
             return False
-        return self.pattern is None or re.search(self.pattern, name) is not None
+        if self.pattern is None or re.search(self.pattern, name) is not None:
+            return True
+        return path is not None and re.search(self.pattern, path) is not None
 
 
 def _check_number(

@@ -521,7 +521,10 @@ class Engine:
         config = self.state.config
         name = visit.name
         invals = _read_caches(invals)
-        weights, acts, rule = resolve(config, name, visit.primitive)
+        refs = [v.leaf for v in invals if isinstance(v, WeightRef)]
+        spec = self.state.params
+        path = spec.paths[refs[0]] if len(refs) == 1 and spec is not None else None
+        weights, acts, rule = resolve(config, name, visit.primitive, path)
         if rule is not None:
             self.matched.add(rule)
         raw = list(invals)

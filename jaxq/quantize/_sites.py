@@ -26,12 +26,17 @@ from jaxq.quantize._state import (
 
 
 def resolve(
-    config: QConfig, name: str, primitive: str
+    config: QConfig, name: str, primitive: str, path: str | None = None
 ) -> tuple[Scheme | None, Scheme | None, int | None]:
-    """``(weights, activations, rule index)`` for an equation; weights None means float."""
+    """``(weights, activations, rule index)`` for an equation whose weight is the param at
+    ``path`` (if any); weights None means float."""
     if primitive in OPT_IN:  # opt-in: a rule must name the primitive; weights only
         for i, rule in enumerate(config.rules):
-            if rule.primitives and primitive in rule.primitives and rule.matches(name, primitive):
+            if (
+                rule.primitives
+                and primitive in rule.primitives
+                and rule.matches(name, primitive, path)
+            ):
                 w = (
                     None
                     if rule.skip
@@ -42,7 +47,7 @@ def resolve(
                 return w, None, i
         return None, None, None
     for i, rule in enumerate(config.rules):
-        if rule.matches(name, primitive):
+        if rule.matches(name, primitive, path):
             if rule.skip:
                 return None, None, i
             w = config.weights if rule.weights is INHERIT else rule.weights
