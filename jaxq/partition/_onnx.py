@@ -237,12 +237,13 @@ class _Exporter:
         self.reshape_of: dict[str, str] = {}
         """Values a ``Reshape`` wrote: its input."""
         self.shape_of: dict[str, tuple[int, ...]] = {}
-        """Shapes of values a ``Reshape`` to a constant shape wrote (and ``|.|`` of them)."""
+        """Known shapes: of values a ``Reshape`` to a constant shape wrote, and of elementwise
+        results (``|.|``, ``+``, ``*``) of such values and scalars."""
         self.zero_or_nan: set[str] = set()
         """Values that hold only +-0 and NaN: NaN rows, and what reshapes, ``|.|`` and sums of
         them make."""
         self.written: dict[Any, list[str]] = {}
-        """Nodes written: (op, inputs, outputs, attributes) -> their outputs' names."""
+        """Nodes written: (op, inputs, output count, attributes) -> their outputs' names."""
         self.isnan_of: dict[str, str] = {}
         """Bool values that are ``IsNaN`` of a NaN row (NaN or zero, no other value), reshaped
         any way: that row."""
