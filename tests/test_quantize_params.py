@@ -453,6 +453,28 @@ def test_rules_match_the_param_path_of_a_layers_weight():
     assert closed.report().unmatched_rules  # (constants have no param path)
 
 
+def test_one_layer_dynamic_per_token_in_a_static_config():
+    # a rule makes one layer dynamic per token (scales from each row at run time), the others
+    # keep calibrated scales; that layer computes as in a dynamic config: with the other layers
+    # left float, the same outputs as QConfig(dynamic=True) per token, bit for bit
+    token = Scheme(granularity="token", symmetric=False)
+    rest = (Rule(pattern="Dense_0|Dense_2", skip=True),)
+    mixed = QConfig(rules=(*rest, Rule(pattern="Dense_1", activations=token)))
+    a = Q(model, P, calibration=BATCHES, config=mixed, progress=False)
+    b = Q(model, P, example_args=(X,), config=QConfig(dynamic=True, activations=token, rules=rest))
+    want = np.asarray(jax.jit(b.apply)(b.params, X))
+    np.testing.assert_array_equal(np.asarray(jax.jit(a.apply)(a.params, X)), want)
+    cfg = QConfig(rules=(Rule(pattern="Dense_1", activations=token),))
+    qf = Q(model, P, calibration=BATCHES, config=cfg, progress=False)
+    assert [layer.activations for layer in qf.report().layers] == [
+        "int8 asym tensor static", "int8 asym token dynamic", "int8 asym tensor static"
+    ]  # fmt: skip
+    assert qf.params["dense"][1]["weight"].act_scale is None
+    assert qf.params["dense"][0]["kernel"].act_scale is not None
+    with pytest.raises(ValueError, match=r"fixed_point.*per-token activations in rules\[0\]"):
+        QConfig(requantize="fixed_point", rules=cfg.rules)
+
+
 # ---- sharding ----------------------------------------------------------------------------------
 
 

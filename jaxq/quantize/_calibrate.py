@@ -67,7 +67,7 @@ def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
 def _observed_keys(state: QState) -> list[tuple[str, Site]]:
     keys: list[tuple[str, Site]] = []
     for name, site in state.sites.items():
-        if site.activations is None or site.in_loop or state.config.dynamic:
+        if not site.static_act(state.config.dynamic):
             continue  # (dynamic scales are computed at run time)
         keys.extend((k, site) for k in site.act_keys())  # (a stack's layers: one per iteration)
         if state.config.requantize == "fixed_point":
@@ -167,7 +167,7 @@ def _observer_fn(
                 gram = _gram(a, axis) if axis is not None else _conv_gram(visit, site, a)
                 if gram is not None:
                     stats[site.name + ":gram"] = gram
-            if site.activations is not None:
+            if site.static_act(state.config.dynamic):  # (not per token: no scale to calibrate)
                 stats[site.name] = batch_stats(a, radii.get(site.name))
                 out_key = site.name + ":out"
                 # (fixed-point requantize leaves the layers of a stack alone)

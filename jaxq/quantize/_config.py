@@ -240,6 +240,9 @@ class QConfig:
         (integer-only multiplier and rounding shift to an int8 output, gemmlowp style).
       rules: per-layer ``Rule`` overrides, first match wins.
       dynamic: compute activation scales at run time (per tensor, or per token where asked).
+        One layer can be dynamic per token in a static config: a rule with
+        ``activations=Scheme(granularity="token")`` (an outlier-heavy layer, say), while the
+        others keep their calibrated scales.
       weight_calibration: how weight codes are chosen. ``"minmax"``: scales cover each
         channel's (group's) range, codes round to nearest. ``"mse"``: each channel's range is
         clipped to the ratio that minimises the weight's squared error (helps 4-bit).
@@ -349,11 +352,24 @@ class QConfig:
                     "QConfig: smoothing and weight_calibration='awq' both scale the input "
                     "channels of a layer; choose one"
                 )
-        if self.requantize == "fixed_point" and (self.activations is None or self.dynamic):
+        per_token = [
+            i
+            for i, r in enumerate(self.rules)
+            if isinstance(r.activations, Scheme) and r.activations.granularity == "token"
+        ]
+        if self.requantize == "fixed_point" and (
+            self.activations is None or self.dynamic or per_token
+        ):
             raise ValueError(
                 "QConfig: requantize='fixed_point' needs static activation scales (an int8 output "
                 "scale is calibrated per layer); got "
-                + ("activations=None" if self.activations is None else "dynamic=True")
+                + (
+                    "activations=None"
+                    if self.activations is None
+                    else "dynamic=True"
+                    if self.dynamic
+                    else f"per-token activations in rules[{per_token[0]}]"
+                )
             )
         check_weights(self.weights, "QConfig")
         if self.activations is not None:
@@ -362,7 +378,8 @@ class QConfig:
             if isinstance(r.weights, Scheme):
                 check_weights(r.weights, f"QConfig: rules[{i}]")
             if isinstance(r.activations, Scheme):
-                check_activations(r.activations, self.dynamic, f"QConfig: rules[{i}]")
+                # (per token in a rule: that layer's scales come from each row at run time)
+                check_activations(r.activations, True, f"QConfig: rules[{i}]")
 
     def _inherit(self, i: int, rule: Rule) -> Rule:
         """``rule`` with the fields its schemes leave out taken from this config's schemes."""
@@ -400,5 +417,6 @@ def check_activations(s: Scheme, dynamic: bool, where: str) -> None:
     if s.granularity == "token" and not dynamic:
         raise ValueError(
             f"{where}: activations with granularity='token' need QConfig(dynamic=True): the "
-            "tokens of a new input are not known at calibration time"
+            "tokens of a new input are not known at calibration time (for some layers only: "
+            "a Rule with these activations)"
         )

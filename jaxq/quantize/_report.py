@@ -357,7 +357,7 @@ def make_report(
             elif params is not None:
                 kind = "static"
                 a_scale, a_zp = params.scale, params.zero_point
-            elif state.config.dynamic:
+            elif state.config.dynamic or site.activations.granularity == "token":
                 kind = "dynamic"
             else:
                 kind = "dynamic (inside a loop)" if site.in_loop else "dynamic (not calibrated)"
