@@ -7,6 +7,7 @@ never a finite number, and never change another row. Calibration refuses them, n
 from __future__ import annotations
 
 import functools
+import re
 
 import hypothesis.strategies as st
 import jax
@@ -95,6 +96,14 @@ def test_a_one_row_batch_is_nan_too(kind, bad):
     assert np.all(np.isfinite(row))
     if kind != "dynamic":  # (static scales: a row's result does not depend on its batch)
         np.testing.assert_array_equal(row, np.asarray(jax.jit(qf)(X))[2:3])
+
+
+def test_a_one_row_batch_needs_no_nan_mask():
+    # the second layer's input is not carried as int8 codes from the first (a chain needs a NaN
+    # mask, a reduction): at one row both layers quantize floats into f32 codes that hold NaN
+    qf = make("static", "realize")
+    reductions = lambda n: re.findall(r"\breduce_\w+", str(qf.specialize(X[:n]).jaxpr))
+    assert reductions(1) == [] and "reduce_or" in reductions(5)  # (5 rows: the s8 kernel)
 
 
 @pytest.mark.parametrize("mode", ["realize", "simulate"])

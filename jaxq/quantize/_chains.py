@@ -5,6 +5,7 @@ again."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -99,7 +100,8 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
     Max pooling runs on codes only where the tuning in force says so (``Tuning.pool_codes``)."""
     jaxpr = source.jaxpr.jaxpr
     names = source.names
-    pool_codes = current_tuning().pool_codes
+    tune = current_tuning()
+    pool_codes = tune.pool_codes
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     uses = C.use_counts(jaxpr.eqns, jaxpr.outvars)
     chains: dict[str, str] = {}
@@ -113,6 +115,7 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
             or name not in state.act
             or name in state.smooth  # smoothed: divided per channel before quantizing
             or not jnp.issubdtype(shaped_aval(e.invars[1 - site.weight_index]).dtype, jnp.floating)
+            or _few_rows(e, site.weight_index, tune.float_carry_max_rows)
         ):
             continue
         v = e.invars[1 - site.weight_index]
@@ -124,6 +127,19 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
             chains[names[(j,)]] = name
             v = jaxpr.eqns[j].invars[k]
     return chains
+
+
+def _few_rows(eqn: C.JaxprEqn, wi: int, most: int) -> bool:
+    """Whether a matmul has so few activation rows that realize carries its sums in f32: it
+    then quantizes a float input itself, NaN carried through its f32 codes, where codes from a
+    chain would need a NaN mask (a reduction per layer: 3 of the 21 kernels of a small CNN at
+    batch 1, per chained layer)."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    shape = shaped_aval(eqn.invars[1 - wi]).shape
+    contract = (lc, rc)[1 - wi]
+    return math.prod(n for d, n in enumerate(shape) if d not in contract) <= most
 
 
 def sample_mask(x: jax.Array) -> jax.Array:
