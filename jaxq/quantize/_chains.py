@@ -115,7 +115,10 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
             or name not in state.act
             or name in state.smooth  # smoothed: divided per channel before quantizing
             or not jnp.issubdtype(shaped_aval(e.invars[1 - site.weight_index]).dtype, jnp.floating)
-            or _few_rows(e, site.weight_index, tune.float_carry_max_rows)
+            or (
+                state.config.requantize == "float"  # (fixed point: integer from layer to layer)
+                and _few_rows(e, site.weight_index, tune.float_carry_max_rows)
+            )
         ):
             continue
         v = e.invars[1 - site.weight_index]
