@@ -714,8 +714,7 @@ class _Exporter:
         if bx or weights is None or weights.dtype != np.int8 or not fw:
             raise _NoMatch("not a dot with constant int8 weights and output axes")
         n = math.prod(wa.shape[d] for d in fw)
-        out_rank = len(shaped_aval(e.outvars[0]).shape)  # ([lhs free..., rhs free...])
-        axes = range(out_rank - len(fw), out_rank) if wi == 1 else range(len(fw))
+        axes = _weight_axes(wi, len(shaped_aval(e.outvars[0]).shape), len(fw))
         w, chain, mul, y = self.int_rescale(e.outvars[0], axes)
         cols = np.transpose(weights, [*cw, *fw]).reshape(-1, n).astype(np.int64).sum(0)
         c = 0
@@ -1453,8 +1452,7 @@ class _Exporter:
         ins_ += [self.const(scales.reshape(-1 if scales.size > 1 else ()))]
         ins_ += [self.const(a_zp, np.uint8)]
         out_rank = len(fa) + len(fw)
-        axes = range(out_rank - len(fw), out_rank) if wi == 1 else range(len(fw))
-        after, bias, poison = self.biased(mul, scales.size, axes)
+        after, bias, poison = self.biased(mul, scales.size, _weight_axes(wi, out_rank, len(fw)))
         chain = [*chain, mul, *after]
         last = chain.pop()
         if bias is not None:
@@ -1567,6 +1565,12 @@ def export_onnx(region: Program, *, onnxruntime_ops: bool = True, exact: bool = 
     model = h.make_model(graph, opset_imports=opsets, producer_name="jaxq", ir_version=9)
     onnx.checker.check_model(model)
     return model
+
+
+def _weight_axes(wi: int, out_rank: int, w_free: int) -> range:
+    """The axes of a dot's output (``[lhs free..., rhs free...]``, no batch axes) that its
+    weights, operand ``wi`` with ``w_free`` free axes, own."""
+    return range(out_rank - w_free, out_rank) if wi == 1 else range(w_free)
 
 
 def _plus_zero(c: np.ndarray) -> bool:

@@ -132,17 +132,21 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
     return chains
 
 
+def matmul_rows(shape: tuple[int, ...], contract: Any) -> int:
+    """Rows of a matmul's activation operand of ``shape``: its elements per contracted
+    vector (every axis but the ``contract`` ones, batch axes included)."""
+    return math.prod(n for d, n in enumerate(shape) if d not in contract)
+
+
 def _few_rows(eqn: C.JaxprEqn, wi: int, most: int) -> bool:
-    """Whether a matmul has so few activation rows that realize carries its sums in f32: it
-    then quantizes a float input itself, NaN carried through its f32 codes, where codes from a
-    chain would need a NaN mask (a reduction per layer: 3 of the 21 kernels of a small CNN at
-    batch 1, per chained layer)."""
+    """Whether a matmul has so few activation rows that realize may carry its sums in f32
+    (where they stay exact): it then quantizes a float input itself, NaN carried through its
+    f32 codes, where codes from a chain would need a NaN mask (a reduction per layer: 3 of the
+    21 kernels of a small CNN at batch 1, per chained layer)."""
     if eqn.primitive.name != "dot_general":
         return False
     (lc, rc), _ = eqn.params["dimension_numbers"]
-    shape = shaped_aval(eqn.invars[1 - wi]).shape
-    contract = (lc, rc)[1 - wi]
-    return math.prod(n for d, n in enumerate(shape) if d not in contract) <= most
+    return matmul_rows(shaped_aval(eqn.invars[1 - wi]).shape, (lc, rc)[1 - wi]) <= most
 
 
 def sample_mask(x: jax.Array) -> jax.Array:

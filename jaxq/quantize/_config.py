@@ -352,25 +352,19 @@ class QConfig:
                     "QConfig: smoothing and weight_calibration='awq' both scale the input "
                     "channels of a layer; choose one"
                 )
-        per_token = [
-            i
-            for i, r in enumerate(self.rules)
-            if isinstance(r.activations, Scheme) and r.activations.granularity == "token"
-        ]
-        if self.requantize == "fixed_point" and (
-            self.activations is None or self.dynamic or per_token
-        ):
-            raise ValueError(
-                "QConfig: requantize='fixed_point' needs static activation scales (an int8 output "
-                "scale is calibrated per layer); got "
-                + (
-                    "activations=None"
-                    if self.activations is None
-                    else "dynamic=True"
-                    if self.dynamic
-                    else f"per-token activations in rules[{per_token[0]}]"
+        if self.requantize == "fixed_point":
+            dynamic = ["activations=None"] if self.activations is None else []
+            dynamic += ["dynamic=True"] if self.dynamic else []
+            dynamic += [
+                f"per-token activations in rules[{i}]"
+                for i, r in enumerate(self.rules)
+                if isinstance(r.activations, Scheme) and r.activations.granularity == "token"
+            ]
+            if dynamic:
+                raise ValueError(
+                    "QConfig: requantize='fixed_point' needs static activation scales (an int8 "
+                    f"output scale is calibrated per layer); got {dynamic[0]}"
                 )
-            )
         check_weights(self.weights, "QConfig")
         if self.activations is not None:
             check_activations(self.activations, self.dynamic, "QConfig")

@@ -43,7 +43,7 @@ from jaxq._walk import Visit
 from jaxq.quantize import _fixed_point as F
 from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._arith import act_qparams, codes, int8_codes, storage_offset
-from jaxq.quantize._chains import QTensor
+from jaxq.quantize._chains import QTensor, matmul_rows
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import SiteHandler, lower
 from jaxq.quantize._qarray import nibbles
@@ -198,7 +198,7 @@ def _int_dot(
     ranks = (len(a_shape), wq.ndim) if wi == 1 else (wq.ndim, len(a_shape))
     a_contract = (lc, rc)[ai]
     a_free = [d for d in range(len(a_shape)) if d not in a_contract and d not in (lb, rb)[ai]]
-    rows = math.prod(a_shape[d] for d in (*a_free, *(lb, rb)[ai]))
+    rows = matmul_rows(a_shape, a_contract)
     tune = current_tuning()
     if rows <= tune.float_carry_max_rows and exact_f32:
         # exact integer sums carried in f32 (where this XLA's s8 kernel is slow for so few rows)
