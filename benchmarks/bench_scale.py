@@ -11,8 +11,13 @@ Models: ``small`` (512 MiB f32), ``large`` (1.21 B params, bf16), each as a Pyth
 blocks and, with ``_scan``, as one ``lax.scan`` over stacked params (``small_scan``,
 ``large_scan``), the way Flax ``nn.scan`` / ``nnx.scan`` layer stacks run.
 
+Configs (``--config``, several comma-separated): ``w8a8`` the default ``QConfig()``;
+``w8a8-finite`` without the NaN-row checks (``nan_rows=False``); ``w8a8-sym-finite`` also with
+symmetric activations (no zero-point terms); ``w8`` weight-only. Compile time follows the number
+of operations XLA sees per layer, which is what these remove.
+
 Run: python benchmarks/bench_scale.py [--models small,large,small_scan,large_scan]
-[--config w8a8|w8] [--json PATH]
+[--config w8a8,w8a8-finite,w8a8-sym-finite,w8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ MODELS = {
     "large": (36, 2048, 8192, "bfloat16"),  # 36 x 2 x 2048 x 8192 = 1.21 B params, 2.4 GB
 }
 MODELS.update({f"{k}_scan": v for k, v in list(MODELS.items())})
+CONFIGS: dict[str, dict[str, Any]] = {
+    "w8a8": {},
+    "w8a8-finite": {"nan_rows": False},
+    "w8a8-sym-finite": {"activations": {"symmetric": True}, "nan_rows": False},
+    "w8": {"activations": None},
+}
 GOALS = {"small": {"quantize_s": 10.0, "peak_rss_mb": 2048.0}, "compile_ratio": 1.5}
 
 
@@ -81,7 +92,10 @@ def child(name: str, config: str, reps: int) -> dict[str, Any]:
     float_bytes = sum(v.nbytes for v in jax.tree.leaves(params))
     x = jnp.asarray(rng.standard_normal((8, d), np.float32), dtype)
     calib = [(jnp.asarray(rng.standard_normal((8, d), np.float32), dtype),) for _ in range(2)]
-    cfg = jaxq.QConfig() if config == "w8a8" else jaxq.QConfig(activations=None)
+    fields = dict(CONFIGS[config])
+    if isinstance(fields.get("activations"), dict):
+        fields["activations"] = jaxq.Scheme(**fields["activations"])
+    cfg = jaxq.QConfig(**fields)
     rss_before = rss_mb()
     t0 = time.perf_counter()
     qf = jaxq.quantize(f, params, calibration=calib, config=cfg, progress=False)
@@ -150,36 +164,41 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,large")
     ap.add_argument("--model", help=argparse.SUPPRESS)  # (the subprocess's own job)
-    ap.add_argument("--config", choices=("w8a8", "w8"), default="w8a8")
+    ap.add_argument("--config", default="w8a8", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    configs = args.config.split(",")
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"--config {c!r}: choose from {', '.join(CONFIGS)}")
     if args.model:
         print(json.dumps(child(args.model, args.config, args.reps)))
         return []
     rows = []
     for name in args.models.split(","):
-        cmd = [sys.executable, __file__, "--model", name, "--config", args.config]
-        done = subprocess.run([*cmd, "--reps", str(args.reps)], capture_output=True, text=True)
-        if done.returncode:
-            print(f"{name}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        for config in configs:
+            cmd = [sys.executable, __file__, "--model", name, "--config", config]
+            done = subprocess.run([*cmd, "--reps", str(args.reps)], capture_output=True, text=True)
+            if done.returncode:
+                print(f"{name} {config}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+                continue
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     head = (
-        f"{'model':<11}{'params':>9}{'dtype':>10}{'float MB':>10}{'int8 MB':>9}{'quantize s':>12}"
+        f"{'model':<11}{'config':>16}{'params':>9}{'dtype':>10}{'float MB':>10}{'int8 MB':>9}{'quantize s':>12}"
         f"{'peak RSS MB':>13}{'compile f/q s':>15}{'ratio':>7}{'run f/q ms':>15}{'speed':>7}"
         f"{'rel err':>9}"
     )
-    print(f"config {args.config}; weights are arguments of every compiled function\n{head}")
+    print(f"weights are arguments of every compiled function\n{head}")
     for r in rows:
         print(
-            f"{r['model']:<11}{r['params'] / 1e9:>8.2f}B{r['dtype']:>10}{r['float_mb']:>10.0f}"
+            f"{r['model']:<11}{r['config']:>16}{r['params'] / 1e9:>8.2f}B{r['dtype']:>10}{r['float_mb']:>10.0f}"
             f"{r['quantized_mb']:>9.0f}{r['quantize_s']:>12.1f}{r['peak_rss_quantize_mb']:>13.0f}"
             f"{r['float_compile_s']:>7.2f}/{r['int8_compile_s']:<7.2f}{r['compile_ratio']:>7.2f}"
             f"{r['float_ms']:>7.1f}/{r['int8_ms']:<7.1f}{r['speedup']:>6.2f}x{r['rel_error']:>9.4f}"
         )
         for v in verdicts(r):
-            print(f"  {r['model']}: {v}")
+            print(f"  {r['model']} {r['config']}: {v}")
     print(
         "(peak RSS: the process's peak at the end of quantize, params included; run: medians "
         "of interleaved calls, 'speed' the median per-round float/int8 ratio)"
