@@ -590,3 +590,23 @@ def test_the_typed_entry_point_has_the_functions_signature():
         (p.name, p.kind, p.default) for p in inspect.signature(quantize).parameters.values()
     ]
     assert jaxq.quantize is quantize and "annotate, calibrate" in (jaxq.quantize.__doc__ or "")
+
+
+def test_layers_under_remat_are_quantized_in_both_modes():
+    """Gradient checkpointing (``jax.checkpoint``, Flax ``nn.remat``) is a call like ``jit``: the
+    layers inside are quantized, and a QAT gradient flows through them."""
+
+    def f(p, x):
+        block = jax.checkpoint(lambda p, x: jax.nn.relu(x @ p["w1"]))
+        return block(p, x) @ p["w2"]
+
+    params = {"w1": P["dense"][0]["kernel"], "w2": P["dense"][1]["weight"]}
+    qf = Q(f, params, calibration=BATCHES, progress=False)
+    assert all(isinstance(w, QArray) for w in qf.params.values())
+    assert [lay.status for lay in qf.report().layers] == ["quantized"] * 2
+    closure = Q(functools.partial(f, params), calibration=BATCHES, progress=False)
+    np.testing.assert_array_equal(np.asarray(qf(X)), np.asarray(closure(X)))
+    qs = Q(f, params, calibration=BATCHES, mode="simulate", progress=False)
+    g = jax.grad(lambda p: jnp.sum(qs.apply(p, X) ** 2))(params)
+    assert all(np.abs(np.asarray(v)).sum() > 0 for v in g.values())
+    np.testing.assert_array_equal(np.asarray(qs.realize()(X)), np.asarray(qf(X)))

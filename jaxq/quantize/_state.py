@@ -44,7 +44,10 @@ FOLDABLE = (
     "concatenate",
     "reduce_precision",
 )
-INLINE = ("jit", "pjit", "closed_call", "core_call")
+INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2")
+"""Calls the quantization phases evaluate in place, so the layers inside are found and quantized
+like any other. Remat (``jax.checkpoint``, Flax ``nn.remat``) too: the quantized program then
+recomputes nothing, which changes only the memory a QAT gradient takes, not its values."""
 META_KEY = "quantize"
 
 
