@@ -610,3 +610,16 @@ def test_layers_under_remat_are_quantized_in_both_modes():
     g = jax.grad(lambda p: jnp.sum(qs.apply(p, X) ** 2))(params)
     assert all(np.abs(np.asarray(v)).sum() > 0 for v in g.values())
     np.testing.assert_array_equal(np.asarray(qs.realize()(X)), np.asarray(qf(X)))
+
+
+def test_a_prng_key_among_the_params_passes_through():
+    """Flax NNX state holds typed PRNG keys (``nnx.Rngs``) beside the weights."""
+
+    def f(p, x):
+        return x @ p["w"] + 0.0 * jax.random.normal(p["key"], (p["w"].shape[1],))
+
+    params = {"w": P["dense"][0]["kernel"], "key": jax.random.key(0)}
+    qf = Q(f, params, calibration=BATCHES, progress=False)
+    assert isinstance(qf.params["w"], QArray)
+    qp = qf.quantize_params(params)
+    np.testing.assert_array_equal(np.asarray(qf.apply(qp, X)), np.asarray(qf(X)))

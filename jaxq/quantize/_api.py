@@ -56,13 +56,16 @@ from jaxq.transform import Sequential
 MODES = ("realize", "simulate")
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
+def _dtype(x: Any) -> Any:
+    """The dtype a leaf has inside a traced program (float64 is float32 unless x64 is on)."""
     dtype = getattr(x, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return jax.ShapeDtypeStruct(np.shape(x), dtype)  # (typed PRNG keys)
-    return jax.ShapeDtypeStruct(
-        np.shape(x), jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
-    )
+        return dtype  # (typed PRNG keys: nothing to canonicalize)
+    return jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), _dtype(x))
 
 
 def _specs(tree: Any) -> Any:
@@ -217,9 +220,9 @@ class QuantizedFunction:
                         else "(it feeds no quantized layer)."
                     )
                 )
-            shape, dtype = np.shape(x), jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
+            shape, dtype = np.shape(x), _dtype(x)
             if shape != tuple(aval.shape) or dtype != aval.dtype:
-                got = f"{np.dtype(dtype).name}{list(shape)}"
+                got = f"{getattr(dtype, 'name', dtype)}{list(shape)}"
                 raise QuantizeError(f"{who}: {path}: expected {aval.str_short()}, got {got}")
         return flat
 
