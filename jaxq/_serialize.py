@@ -173,8 +173,8 @@ class LoadedProgram:
             raise TypeError(
                 f"{self.name}: a saved program runs at the shapes it was saved at (its batch "
                 "dimension is fixed):\n" + "\n".join(bad) + "\nSave the model again at the "
-                "shape you need (e.g. qf.specialize(x) for a QuantizedFunction, or "
-                "jaxq.trace(f, x).save(path)), or pad the batch to the saved size."
+                "shape you need (qf.save(path, x) for a QuantizedFunction, "
+                "jaxq.trace(f, x).save(path) for a Program), or pad the batch to the saved size."
             )
         if kwargs:
             return self.exported.call(self.consts, args, kwargs)

@@ -623,3 +623,18 @@ def test_a_prng_key_among_the_params_passes_through():
     assert isinstance(qf.params["w"], QArray)
     qp = qf.quantize_params(params)
     np.testing.assert_array_equal(np.asarray(qf.apply(qp, X)), np.asarray(qf(X)))
+
+
+def test_an_export_taking_quantized_params_serializes(tmp_path):
+    """``jax.export`` of ``jax.jit(qf.apply)`` round-trips through bytes (QArray is registered
+    for export serialization), and a QuantizedFunction saves at another batch."""
+    qf = realized()
+    exported = jax.export.export(jax.jit(qf.apply))(qf.params, X)
+    back = jax.export.deserialize(exported.serialize())
+    np.testing.assert_array_equal(np.asarray(back.call(qf.params, X)), np.asarray(qf(X)))
+    x3 = X[:3]
+    loaded = jaxq.load(qf.save(tmp_path / "b3.jaxq", x3))
+    np.testing.assert_array_equal(np.asarray(loaded(x3)), np.asarray(jax.jit(qf)(x3)))
+    closure = closure_style(P)
+    loaded = jaxq.load(closure.save(tmp_path / "c3.jaxq", x3))
+    np.testing.assert_array_equal(np.asarray(loaded(x3)), np.asarray(jax.jit(closure)(x3)))

@@ -466,14 +466,22 @@ class QuantizedFunction:
             clipped=self._clipped(sample, {}, m),
         )
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Save the quantized program at its example shapes, with ``qf.params`` in it (int8
-        weights as int8, int4 packed), to one safetensors file; ``jaxq.load(path)`` runs it
-        without the model code."""
-        if not self._with_params:
-            return self.program.save(path)
-        args, kwargs = jax.tree.unflatten(self.program.in_tree, list(self.program.jaxpr.in_avals))
+    def save(self, path: str | os.PathLike[str], *example_args: Any, **example_kwargs: Any) -> Path:
+        """Save the quantized program, with ``qf.params`` in it (int8 weights as int8, int4
+        packed), to one safetensors file; ``jaxq.load(path)`` runs it without the model code.
+        It runs at the shapes it was saved at: those of ``example_args`` (arrays or
+        ``jax.ShapeDtypeStruct``, without the params), by default the ones it was traced at."""
         specs = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        given = bool(example_args or example_kwargs)
+        if not self._with_params:
+            program = self.specialize(*example_args, **example_kwargs) if given else self.program
+            return program.save(path)
+        if given:
+            args, kwargs = (None, *example_args), example_kwargs
+        else:
+            args, kwargs = jax.tree.unflatten(
+                self.program.in_tree, list(self.program.jaxpr.in_avals)
+            )
         params = self.params
 
         def fun(*a: Any, **k: Any) -> Any:

@@ -7,6 +7,7 @@ they see the float params it replaces (models: qwix's ``QArray``, AQT's ``QTenso
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -205,6 +206,27 @@ class QArray:
         zp = "" if self.zero_point is None else " asym"
         stack = f", layers={self.layers}" if self.layers else ""
         return f"QArray({kind}{zp}, shape={self.shape}, dtype={self.dtype.name}{stack})"
+
+
+def _aux_to_bytes(aux: tuple[Any, ...]) -> bytes:
+    shape, dtype, bits, group_axis, group_size, layers, present = aux
+    return json.dumps(
+        [list(shape), dtype, bits, group_axis, group_size, layers, list(present)]
+    ).encode()
+
+
+def _aux_from_bytes(data: bytes) -> tuple[Any, ...]:
+    shape, dtype, bits, group_axis, group_size, layers, present = json.loads(data)
+    return (tuple(shape), dtype, bits, group_axis, group_size, layers, tuple(present))
+
+
+# ``jax.export`` of a function taking QArrays (``jax.jit(qf.apply)``) can be serialized
+jax.export.register_pytree_node_serialization(
+    QArray,
+    serialized_name="jaxq.QArray",
+    serialize_auxdata=_aux_to_bytes,
+    deserialize_auxdata=_aux_from_bytes,
+)
 
 
 def is_qarray(x: Any) -> bool:
