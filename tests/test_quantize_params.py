@@ -638,3 +638,25 @@ def test_an_export_taking_quantized_params_serializes(tmp_path):
     closure = closure_style(P)
     loaded = jaxq.load(closure.save(tmp_path / "c3.jaxq", x3))
     np.testing.assert_array_equal(np.asarray(loaded(x3)), np.asarray(jax.jit(closure)(x3)))
+
+
+def test_export_with_a_symbolic_batch():
+    """``jax.export`` with a shape-polymorphic batch: realize takes the route of many rows
+    there (a symbolic batch may be large), equal to the jitted function from 2 rows on and
+    within float rounding at one row (where the jitted one carries its sums in f32)."""
+    qf = realized()
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, X.shape[1]), jnp.float32)
+    exported = jax.export.deserialize(
+        jax.export.export(jax.jit(qf.apply))(qf.params, spec).serialize()
+    )
+    for n in (3, 6):
+        np.testing.assert_array_equal(
+            np.asarray(exported.call(qf.params, X[:n])), np.asarray(jax.jit(qf)(X[:n]))
+        )
+    np.testing.assert_allclose(
+        np.asarray(exported.call(qf.params, X[:1])),
+        np.asarray(jax.jit(qf)(X[:1])),
+        rtol=1e-5,
+        atol=1e-6,
+    )

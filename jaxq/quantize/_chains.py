@@ -132,10 +132,12 @@ def plan_chains(source: Program, state: QState) -> dict[str, str]:
     return chains
 
 
-def matmul_rows(shape: tuple[int, ...], contract: Any) -> int:
-    """Rows of a matmul's activation operand of ``shape``: its elements per contracted
-    vector (every axis but the ``contract`` ones, batch axes included)."""
-    return math.prod(n for d, n in enumerate(shape) if d not in contract)
+def few_rows(shape: tuple[Any, ...], contract: Any, most: int) -> bool:
+    """Whether a matmul's activation operand of ``shape`` has at most ``most`` rows (its
+    elements per contracted vector: every axis but the ``contract`` ones, batch axes included).
+    Never where the count is symbolic (a shape-polymorphic batch for ``jax.export``: any size)."""
+    rows = math.prod(n for d, n in enumerate(shape) if d not in contract)
+    return isinstance(rows, int) and rows <= most
 
 
 def _few_rows(eqn: C.JaxprEqn, wi: int, most: int) -> bool:
@@ -146,7 +148,7 @@ def _few_rows(eqn: C.JaxprEqn, wi: int, most: int) -> bool:
     if eqn.primitive.name != "dot_general":
         return False
     (lc, rc), _ = eqn.params["dimension_numbers"]
-    return matmul_rows(shaped_aval(eqn.invars[1 - wi]).shape, (lc, rc)[1 - wi]) <= most
+    return few_rows(shaped_aval(eqn.invars[1 - wi]).shape, (lc, rc)[1 - wi], most)
 
 
 def sample_mask(x: jax.Array) -> jax.Array:

@@ -43,7 +43,7 @@ from jaxq._walk import Visit
 from jaxq.quantize import _fixed_point as F
 from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._arith import act_qparams, codes, int8_codes, storage_offset
-from jaxq.quantize._chains import QTensor, matmul_rows
+from jaxq.quantize._chains import QTensor, few_rows
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import SiteHandler, lower
 from jaxq.quantize._qarray import nibbles
@@ -198,9 +198,9 @@ def _int_dot(
     ranks = (len(a_shape), wq.ndim) if wi == 1 else (wq.ndim, len(a_shape))
     a_contract = (lc, rc)[ai]
     a_free = [d for d in range(len(a_shape)) if d not in a_contract and d not in (lb, rb)[ai]]
-    rows = matmul_rows(a_shape, a_contract)
     tune = current_tuning()
-    if rows <= tune.float_carry_max_rows and exact_f32:
+    few = few_rows(a_shape, a_contract, tune.float_carry_max_rows)
+    if few and exact_f32:
         # exact integer sums carried in f32 (where this XLA's s8 kernel is slow for so few rows)
         # (the zero point is subtracted from the codes first: still integers, and no correction)
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
@@ -216,7 +216,7 @@ def _int_dot(
     qa, za_s = _quantize_act(a, scheme, sa, za)
     one_row = wi == 1 and not lb and a_free and math.prod(qa.shape[d] for d in a_free) == 1
     # a 1-row s8 dot is slow on some XLA:CPU builds (widened to s32); 2 rows take the fast kernel
-    pad_rows = one_row and (tune.s8_pad_single_row or rows <= tune.float_carry_max_rows)
+    pad_rows = one_row and (tune.s8_pad_single_row or few)
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
     ops = (qa_in, wq) if wi == 1 else (wq, qa_in)
     acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.int32)
