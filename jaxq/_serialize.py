@@ -68,11 +68,16 @@ def _digest(exported: bytes, tensors: dict[str, np.ndarray], manifest: dict[str,
 
 
 def save(
-    program: Program, path: str | os.PathLike[str], names: Mapping[int, str] | None = None
+    program: Program,
+    path: str | os.PathLike[str],
+    names: Mapping[int, str] | None = None,
+    fixed: str | None = None,
 ) -> Path:
     """Write ``program`` to ``path`` (a single ``.jaxq`` safetensors file), atomically.
     ``names``: tensor names for some constants, by index (e.g. the param paths of quantized
-    weights, ``Dense_0/kernel.codes``); the others are ``const_00000``..."""
+    weights, ``Dense_0/kernel.codes``); the others are ``const_00000``... ``fixed``: why the
+    program's shapes are fixed, for the loaded program's shape error (a program traced with
+    symbolic dimensions keeps them: it then takes any size there)."""
     from jaxq import __version__
 
     st = _safetensors()
@@ -114,6 +119,7 @@ def save(
         "in_paths": list(program.in_paths),
         "const_dtypes": dtypes,
         "const_names": keys,
+        "fixed": fixed,
     }
     digest = _digest(exported, tensors, manifest)
     tensors[_PROGRAM] = np.frombuffer(zlib.compress(exported, 9), np.uint8)
@@ -142,6 +148,13 @@ def _file_mode(path: Path) -> int:
     return 0o666 & ~umask
 
 
+def _fits(shape: tuple[int, ...], want: tuple[Any, ...]) -> bool:
+    """Whether a concrete ``shape`` fits a saved one (symbolic dimensions fit any size)."""
+    return len(shape) == len(want) and all(
+        not isinstance(w, (int, np.integer)) or n == w for n, w in zip(shape, want, strict=True)
+    )
+
+
 class LoadedProgram:
     """A program loaded from disk: call it like the original function (jit-able, fixed shapes).
 
@@ -167,14 +180,18 @@ class LoadedProgram:
         bad = [
             f"  {p}: saved for {w.str_short()}, got {jnp.result_type(x).name}{list(np.shape(x))}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
-            if tuple(np.shape(x)) != tuple(w.shape)
+            if not _fits(tuple(np.shape(x)), tuple(w.shape))
         ]
         if bad:
+            why = self.manifest.get("fixed")
             raise TypeError(
-                f"{self.name}: a saved program runs at the shapes it was saved at (its batch "
-                "dimension is fixed):\n" + "\n".join(bad) + "\nSave the model again at the "
-                "shape you need (qf.save(path, x) for a QuantizedFunction, "
-                "jaxq.trace(f, x).save(path) for a Program), or pad the batch to the saved size."
+                f"{self.name}: a saved program runs at the shapes it was saved at"
+                + (f" ({why})" if why else "")
+                + ":\n"
+                + "\n".join(bad)
+                + "\nSave the model again at the shape you need (qf.save(path, x) for a "
+                "QuantizedFunction, jaxq.trace(f, x).save(path) for a Program), or pad the batch "
+                "to the saved size."
             )
         if kwargs:
             return self.exported.call(self.consts, args, kwargs)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
+from jaxq import _serialize
 from jaxq._program import Program, trace
 from jaxq._taps import intermediates
 from jaxq._walk import RewriteError, interpret, rewrite
@@ -469,36 +470,85 @@ class QuantizedFunction:
     def save(self, path: str | os.PathLike[str], *example_args: Any, **example_kwargs: Any) -> Path:
         """Save the quantized program, with ``qf.params`` in it (int8 weights as int8, int4
         packed), to one safetensors file; ``jaxq.load(path)`` runs it without the model code.
-        It runs at the shapes it was saved at: those of ``example_args`` (arrays or
-        ``jax.ShapeDtypeStruct``, without the params), by default the ones it was traced at."""
-        specs = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
-        given = bool(example_args or example_kwargs)
-        if not self._with_params:
-            program = self.specialize(*example_args, **example_kwargs) if given else self.program
-            return program.save(path)
-        if given:
-            args, kwargs = (None, *example_args), example_kwargs
+
+        By default the saved program takes any batch size: it is exported with a symbolic
+        leading dimension where the model allows one (else at the shapes it was traced at, and
+        the loaded program's shape error says why). ``example_args`` (arrays or
+        ``jax.ShapeDtypeStruct``, without the params) save it at their shapes instead."""
+        if example_args or example_kwargs:
+            program = self._program_at(example_args, example_kwargs)
+            fixed = "it was saved at the shapes of the example arguments given to save"
         else:
             args, kwargs = jax.tree.unflatten(
                 self.program.in_tree, list(self.program.jaxpr.in_avals)
             )
+            args = args[1:] if self._with_params else args
+            try:
+                program = self._program_at(*_batch_polymorphic(tuple(args), kwargs))
+                _check_runs(program, tuple(args), kwargs)
+                fixed = None
+            except Exception as e:  # (the model fixes its batch: a reshape, a constant, ...)
+                program = self._program_at(tuple(args), kwargs)
+                fixed = f"the model does not trace with a symbolic batch ({type(e).__name__}: {e})"
+        if not self._with_params:
+            return _serialize.save(program, path, fixed=fixed)
+        # tensors named by their param paths: Dense_0/kernel.codes
+        by_id = {
+            id(leaf): _tensor_name(p)
+            for p, leaf in jax.tree_util.tree_flatten_with_path(self.params)[0]
+        }
+        names = {i: by_id[id(c)] for i, c in enumerate(program.jaxpr.consts) if id(c) in by_id}
+        return _serialize.save(program, path, names, fixed=fixed)
+
+    def _program_at(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:
+        """The quantized function at these argument shapes as a Program of the arguments alone
+        (``qf.params`` in it as constants)."""
+        specs = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        if not self._with_params:
+            return self.specialize(*args, **kwargs)
         params = self.params
 
         def fun(*a: Any, **k: Any) -> Any:
             return self.apply(params, *a, **k)
 
         fun.__name__ = self.__name__
-        program = trace(fun, *specs(tuple(args[1:])), **specs(kwargs))
-        # tensors named by their param paths: Dense_0/kernel.codes
-        by_id = {
-            id(leaf): _tensor_name(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-        }
-        names = {i: by_id[id(c)] for i, c in enumerate(program.jaxpr.consts) if id(c) in by_id}
-        return program.save(path, names)
+        return trace(fun, *specs(args), **specs(kwargs))
 
     def __repr__(self) -> str:
         style = " params" if self._with_params else ""
         return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}{style}>"
+
+
+def _check_runs(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Export ``program`` (traced with a symbolic batch) and run it one row larger than traced:
+    a model whose reshapes pin the batch traces with a symbol, then fails at any other size."""
+    sym = jax.tree.unflatten(program.in_tree, list(program.jaxpr.in_avals))
+    exported = jax.export.export(jax.jit(program.as_fun()))(*sym[0], **sym[1])
+    n = next(a.shape[0] for a in jax.tree.leaves((args, kwargs)) if len(a.shape))
+
+    def zeros(a: Any) -> jax.Array:
+        grow = len(a.shape) and a.shape[0] == n
+        return jnp.zeros((n + 1, *a.shape[1:]) if grow else a.shape, a.dtype)
+
+    jax.block_until_ready(exported.call(*jax.tree.map(zeros, args), **jax.tree.map(zeros, kwargs)))
+
+
+def _batch_polymorphic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Specs of the arguments with one symbolic ``batch`` for every leading dimension equal to
+    the first argument's."""
+    leaves = [a for a in jax.tree.leaves((args, kwargs)) if len(a.shape)]
+    if not leaves:
+        raise ValueError("no argument has a batch dimension")
+    n = leaves[0].shape[0]
+    (batch,) = jax.export.symbolic_shape("batch")
+
+    def spec(a: Any) -> jax.ShapeDtypeStruct:
+        shape = tuple(a.shape)
+        if shape and shape[0] == n:
+            shape = (batch, *shape[1:])
+        return jax.ShapeDtypeStruct(shape, a.dtype)
+
+    return jax.tree.map(spec, (args, kwargs))
 
 
 def _inline_calls(program: Program) -> Program:
