@@ -107,3 +107,23 @@ def test_pass_context_sets_the_method():
     assert (
         get_state(Q.calibrate([(x,)], progress=False)(prog), "t").calibration["method"] == "minmax"
     )
+
+
+def test_unsigned_symmetric_activations_that_go_negative_warn():
+    """Codes from 0 with zero point 0 clip every negative value: say so at calibration, for the
+    inputs that have them only (a ReLU's output is fine)."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(8, 8)).astype(np.float32)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+
+    def f(w, x):
+        with jax.named_scope("first"):
+            h = jax.nn.relu(x @ w)
+        with jax.named_scope("second"):
+            return h @ w
+
+    cfg = QConfig(activations=Scheme(signed=False, symmetric=True))
+    with pytest.warns(UserWarning, match=r"1 activation\(s\) .* first/dot_general \(min -") as rec:
+        Q(f, w, calibration=[(x,)], config=cfg, progress=False)
+    assert not any("second" in str(r.message) for r in rec)
+    assert rec[0].filename == __file__  # (the user's line)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxq import _warnings
 from jaxq._program import Program
 from jaxq._walk import RewriteError, interpret
 from jaxq.quantize._annotate import check_sites, float_source
@@ -474,24 +475,35 @@ def calibrate_program(
     )
     grams = {k.removesuffix(":gram"): v for k, v in arrays.items()}
     act: dict[str, ActParams] = dict(state.act)
+    negative: list[str] = []  # inputs with negative values under unsigned symmetric codes
     for k, site in keys:
         o = observers[k]
         if o.batches == 0:
             continue
         scheme = site.activations
         assert scheme is not None  # _observed_keys keeps only sites with activation schemes
+        if scheme.symmetric and not scheme.signed and float(o.min) < 0:
+            negative.append(f"{k.removesuffix(':out')} (min {float(o.min):.3g})")
         lo, hi = o.value_range(method, scheme, pct)
         if float(o.min) == float(o.max):  # all zero (scale 1.0 is a guess) or one constant
-            warnings.warn(
+            _warnings.warn(
                 f"calibrate: the {'output' if k.endswith(':out') else 'input'} of layer "
                 f"{k.removesuffix(':out')!r} was {float(o.min):g} everywhere in all {o.batches} "
                 "calibration batch(es), a degenerate range; calibrate with data like the inputs "
                 "it will see",
                 UserWarning,
-                stacklevel=2,
             )
         scale, zp = range_to_qparams(lo, hi, scheme)
         act[k] = ActParams(float(scale), int(zp))
+    if negative:
+        _warnings.warn(
+            f"calibrate: {len(negative)} activation(s) quantized unsigned and symmetric (codes "
+            "from 0, zero point 0) hold negative values, which all clip to 0: "
+            f"{', '.join(negative[:5])}{' ...' if len(negative) > 5 else ''}. Use "
+            "Scheme(signed=True) or Scheme(symmetric=False) for them (a Rule per layer), or "
+            "keep unsigned symmetric codes for inputs that are never negative (after a ReLU)",
+            UserWarning,
+        )
     info: dict[str, Any] = {
         "method": method,
         "batches": n,
