@@ -676,3 +676,12 @@ def test_export_with_a_symbolic_batch():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_simulate_with_gptq_on_params_warns_that_realize_differs():
+    """GPTQ needs calibration data, so the simulation (which rounds the params it is given)
+    cannot follow it: say so, rather than let ``apply`` and ``realize`` differ silently."""
+    cfg = QConfig(weight_calibration="gptq")
+    with pytest.warns(UserWarning, match=r"qs.realize\(params\)\(x\) differ"):
+        Q(model, P, calibration=BATCHES, config=cfg, mode="simulate", progress=False)
+    Q(model, P, calibration=BATCHES, config=cfg, progress=False)  # (realize: no warning)

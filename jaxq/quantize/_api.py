@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
-from jaxq import _serialize
+from jaxq import _serialize, _warnings
 from jaxq._program import Program, trace
 from jaxq._taps import intermediates
 from jaxq._walk import RewriteError, interpret, rewrite
@@ -734,6 +734,15 @@ def quantize(
         raise TypeError(f"quantize: config must be a jaxq.QConfig; got {type(config).__name__}")
     if mode not in MODES:
         raise ValueError(f"quantize: mode must be one of {MODES}; got {mode!r}")
+    if mode == "simulate" and params is not None and config.weight_calibration == "gptq":
+        _warnings.warn(
+            "quantize: mode='simulate' rounds the params it is given to the nearest code (its "
+            "scales follow the weights as they train), while GPTQ chooses codes from calibration "
+            "data when qs.realize(params) quantizes them, so qs.apply(params, x) and "
+            "qs.realize(params)(x) differ. For quantization-aware training use "
+            "weight_calibration='minmax' or 'mse', which the simulation computes the same way",
+            UserWarning,
+        )
     wa = (weight_argnums,) if isinstance(weight_argnums, int) else tuple(weight_argnums)
     if not all(isinstance(i, int) and i >= 0 for i in wa):
         raise ValueError(
