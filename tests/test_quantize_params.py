@@ -685,3 +685,16 @@ def test_simulate_with_gptq_on_params_warns_that_realize_differs():
     with pytest.warns(UserWarning, match=r"qs.realize\(params\)\(x\) differ"):
         Q(model, P, calibration=BATCHES, config=cfg, mode="simulate", progress=False)
     Q(model, P, calibration=BATCHES, config=cfg, progress=False)  # (realize: no warning)
+
+
+def test_a_weight_reshaped_before_its_layer_is_named_with_the_fix():
+    """Quantization follows a weight through transposes and casts only: a param reshaped on the
+    way stays float, and the warning and the report name the param, the equation and the fix."""
+    w = P["dense"][0]["kernel"].reshape(3, 4, 16)  # stored 3-D, used as [12, 16]
+    with pytest.warns(UserWarning, match=r"dot_general \(params\['w'\] through reshape\)"):
+        qf = Q(
+            lambda p, x: x @ p["w"].reshape(12, 16), {"w": w}, calibration=BATCHES, progress=False
+        )
+    assert not isinstance(qf.params["w"], QArray)
+    (layer,) = qf.report().layers
+    assert "reaches it through reshape" in layer.status and "Store the param" in layer.status

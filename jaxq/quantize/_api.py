@@ -25,6 +25,7 @@ from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
 from jaxq.quantize._config import QConfig
 from jaxq.quantize._lower import (
     LOOP_REASON,
+    UNFOLLOWED,
     Engine,
     lower,
     raise_cause,
@@ -846,6 +847,19 @@ def quantize(
             + "; qf.report() lists them",
             UserWarning,
             stacklevel=2,
+        )
+    unfollowed = sorted(
+        f"{n} ({why.split(', which')[0].removeprefix('its weight, ').replace(', reaches it', '')})"
+        for n, why in get_state(program, "quantize").skipped.items()
+        if why.startswith(UNFOLLOWED)
+    )
+    if unfollowed:
+        _warnings.warn(
+            f"jaxq.quantize: {len(unfollowed)} layer(s) stay float: their weight params reach "
+            "them through equations quantization does not follow (only transposes and casts): "
+            f"{unfollowed[:5]}{' ...' if len(unfollowed) > 5 else ''}. Store each param in the "
+            "shape its layer uses; qf.report() lists them",
+            UserWarning,
         )
     if params is None:
         return QuantizedFunction(fun, program)

@@ -112,6 +112,9 @@ def iteration_key(key: str, i: int) -> str:
     return f"{key}@{i}"
 
 
+UNFOLLOWED = "its weight, params"
+"""How the reason of a layer whose weight param reaches it through an equation quantization
+does not follow (a reshape) begins."""
 NO_WEIGHT_REASON = (
     "no weight operand (both are activations; a weight passed as an argument must be in params: "
     "jaxq.quantize(f, params, ...))"
@@ -147,6 +150,9 @@ class Engine:
         self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
         self.smooth_inputs: dict[str, Any] = {}  # site -> the iteration's smoothing factors
         self.float_leaves: set[int] = set()  # param leaves some equation reads as floats
+        # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
+        # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
+        self.derived: dict[int, tuple[Any, tuple[int, str]]] = {}
         self.act_act: dict[str, Scheme] = {}  # activation x activation matmuls in int8
         self.sink: dict[str, Any] = {}  # an observing handler's statistics
         self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
@@ -260,7 +266,15 @@ class Engine:
             if visit.primitive in CHAIN and len(invals) == 1 and isinstance(ref, WeightRef):
                 value = chain_value(ref.value, visit.primitive, visit.params, visit.bind)
                 return ref.then(visit.primitive, visit.params, value)
-            return visit.bind(*(self.coerce(v) for v in invals))
+            out = visit.bind(*(self.coerce(v) for v in invals))
+            leaf = next(v.leaf for v in invals if isinstance(v, WeightRef))
+            self.derived[id(out)] = (out, (leaf, visit.primitive))
+            return out
+        origin = next((self.derived[id(v)][1] for v in invals if id(v) in self.derived), None)
+        if origin is not None:  # (still the param's value, reshaped again or cast)
+            out = visit.bind(*invals)
+            self.derived[id(out)] = (out, origin)
+            return out
         if invals and all(is_concrete(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
@@ -553,7 +567,7 @@ class Engine:
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)
             else:
-                self.skipped[name] = NO_WEIGHT_REASON
+                self.skipped[name] = self._no_weight_reason(raw)
             return bind_float()
         wi = concrete[0]
         in_loop = visit.path[:-1] not in self.inlined
@@ -598,6 +612,20 @@ class Engine:
             raw[wi] = dequantized_weight(qw, np.asarray(raw[wi]).dtype)
         self.sites[name] = site
         return self.handler(visit, site, qw, raw, self.act_params(site))
+
+    def _no_weight_reason(self, operands: list[Any]) -> str:
+        """Why a layer has no weight: none of its operands is a param, or one is a param's value
+        after an equation a weight cannot pass through (named, with the fix)."""
+        origin = next((self.derived[id(v)][1] for v in operands if id(v) in self.derived), None)
+        spec = self.state.params
+        if origin is None or spec is None:
+            return NO_WEIGHT_REASON
+        leaf, primitive = origin
+        return (
+            f"{UNFOLLOWED}{spec.paths[leaf]}, reaches it through {primitive}, which "
+            f"quantization does not follow (only {', '.join(CHAIN[:2])}): stays float. Store "
+            "the param in the shape the layer uses"
+        )
 
     def plan_leaf(self, ref: WeightRef, site: Site, visit: Visit) -> LeafPlan | str:
         """The plan of the param leaf behind ``ref`` for this site, shared with an earlier site
