@@ -181,6 +181,17 @@ def test_qarrays_are_immutable():
     assert copied is not q and copied.shape == q.shape and copied.sums is q.sums
 
 
+@pytest.mark.parametrize(
+    "use",
+    [np.asarray, jnp.asarray, jnp.sum, lambda q: X @ q, lambda q: jnp.asarray(X) @ q],
+    ids=["np.asarray", "jnp.asarray", "jnp.sum", "numpy matmul", "jax matmul"],
+)
+def test_a_qarray_used_as_an_array_says_what_it_is(use):
+    q = qarrays(realized().params)[0]
+    with pytest.raises(TypeError, match=r"quantized weight .* q\.dequantize\(\)"):
+        use(q)
+
+
 def test_quantize_params_reuses_scales_and_new_shapes_reuse_everything():
     qf = realized()
     p2 = make_params(np.random.default_rng(7))

@@ -148,6 +148,19 @@ class QArray:
             f"{name!r}, e.g. jax.tree.map over it"
         )
 
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(self._not_an_array())
+
+    def __jax_array__(self) -> Any:
+        raise TypeError(self._not_an_array())
+
+    def _not_an_array(self) -> str:
+        return (
+            f"{self!r} is a quantized weight (int codes and scales), not an array: "
+            "q.dequantize() gives its float value, and the quantized function takes it as it "
+            "is (jax.jit(qf.apply)(qf.params, x))"
+        )
+
     # -- pytree -----------------------------------------------------------------------------------
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return self._leaves, self._aux
