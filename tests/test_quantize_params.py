@@ -289,6 +289,9 @@ def test_bad_params_get_errors_that_name_the_path():
         jax.grad(lambda x: closure_style(P)(x).sum())(X)
     with pytest.raises(QuantizeError, match="inside a JAX transformation"):
         jax.grad(lambda p: Q(model, p, calibration=BATCHES, progress=False)(X).sum())(P)
+    with_fn = {**P, "activation": jax.nn.relu}  # (an Equinox module holds functions too)
+    with pytest.raises(TypeError, match=r"params\['activation'\] is a .* eqx\.partition"):
+        Q(model, with_fn, calibration=BATCHES, progress=False)
 
 
 # ---- the phases are passes ---------------------------------------------------------------------

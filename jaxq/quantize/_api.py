@@ -684,7 +684,10 @@ def _check_params_tree(params: Any) -> None:
         ):
             raise TypeError(
                 f"quantize: params{jax.tree_util.keystr(path)} is a {type(x).__name__}, not an "
-                "array; params must be a pytree of arrays"
+                "array; params must be a pytree of arrays. For a module that holds functions too "
+                "(Equinox), pass its arrays and rebuild it inside f: params, static = "
+                "eqx.partition(model, eqx.is_inexact_array); f = lambda p, x: "
+                "eqx.combine(p, static)(x)"
             )
 
 
