@@ -77,6 +77,28 @@ def test_sensitivity_keeps_the_worst_layer_float_until_the_target_is_met():
     assert "kept in float: Dense_1/dot_general" in str(result)
 
 
+def test_sensitivity_with_params_as_an_argument():
+    """The README's style, ``f(params, x)``: the same search, on params kept as arguments."""
+
+    def g(params, x):
+        for i, w in enumerate(params):
+            with jax.named_scope(f"Dense_{i}"):
+                x = x @ w
+                if i < 2:
+                    x = jnp.tanh(x)
+        return x
+
+    ref = jax.jit(f)(X[0])
+    metric = lambda qf: -float(jnp.max(jnp.abs(jax.jit(qf)(X[0]) - ref)))
+    calib = [(x,) for x in X]
+    want = sensitivity(f, calibration=calib, config=CFG, metric=metric, target=-1e-2)
+    got = sensitivity(g, [W0, W1, W2], calibration=calib, config=CFG, metric=metric, target=-1e-2)
+    assert got.kept_float == want.kept_float and got.kept_float[0] == "Dense_1/dot_general"
+    assert got.function.params is not None  # (a function of params, not of constants)
+    assert [k for k, _ in got.history] == [k for k, _ in want.history]
+    np.testing.assert_allclose([m for _, m in got.history], [m for _, m in want.history], atol=1e-6)
+
+
 def test_sensitivity_reports_an_unreachable_target():
     result = sensitivity(
         f, calibration=[(x,) for x in X], config=CFG, metric=lambda qf: 0.0, target=1.0, max_float=1

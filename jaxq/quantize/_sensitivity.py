@@ -76,6 +76,7 @@ class SensitivityResult:
 
 def sensitivity(
     f: Callable[..., Any],
+    params: Any = None,
     *,
     calibration: Iterable[Any],
     metric: Callable[[QuantizedFunction], float],
@@ -88,7 +89,8 @@ def sensitivity(
     """Quantize ``f``, keeping its most harmful layers in float until ``metric(qf) >= target``.
 
     Args:
-      f, calibration, config, mode: as for ``jaxq.quantize``.
+      f, params, calibration, config, mode: as for ``jaxq.quantize`` (with ``params``, ``f`` is
+        called as ``f(params, *args)``).
       metric: scores a quantized function, higher is better (e.g. validation accuracy).
       target: the score to reach.
       max_float: at most this many layers stay float (default: all of them, if needed).
@@ -99,10 +101,13 @@ def sensitivity(
     if not batches:
         raise ValueError("sensitivity: calibration is empty; pass at least one argument tuple")
     sample = batches[0] if sample is None else sample
-    simulated = quantize(f, calibration=batches, config=config, mode="simulate", progress=False)
+    simulated = quantize(
+        f, params, calibration=batches, config=config, mode="simulate", progress=False
+    )
     sqnr = layer_sqnr(f, simulated, *sample)
     isolated = _isolated_sqnr(
         f,
+        params,
         batches,
         config,
         sample,
@@ -116,7 +121,7 @@ def sensitivity(
     for k in range(limit + 1):
         skip = tuple(Rule(pattern=f"^{re.escape(n)}$", skip=True) for n in ranked[:k])
         cfg = dataclasses.replace(config, rules=skip + tuple(config.rules))
-        qf = quantize(f, calibration=batches, config=cfg, mode=mode, progress=False)
+        qf = quantize(f, params, calibration=batches, config=cfg, mode=mode, progress=False)
         score = float(metric(qf))
         history.append((k, score))
         if score >= target:
@@ -136,17 +141,19 @@ def _only(config: QConfig, names: list[str], keep: str) -> QConfig:
 
 def _isolated_sqnr(
     f: Callable[..., Any],
+    params: Any,
     batches: list[tuple[Any, ...]],
     config: QConfig,
     sample: tuple[Any, ...],
     names: list[str],
 ) -> dict[str, float]:
     """Model-output SQNR with only one layer quantized, for each layer (lower: more harmful)."""
-    ref = jax.tree.leaves(jax.jit(f)(*sample))
+    ref = jax.tree.leaves(jax.jit(f)(*sample) if params is None else jax.jit(f)(params, *sample))
     out = {}
     for name in names:
         qf = quantize(
             f,
+            params,
             calibration=batches,
             config=_only(config, names, name),
             mode="simulate",
