@@ -67,8 +67,10 @@ def module_scopes(module: Any) -> Iterator[None]:
     """While active, each module of ``module``'s graph called through ``__call__`` runs under a
     JAX named scope of its path, so traced equations get names such as ``MLP/dense1/dot_general``.
 
-    ``jaxq.trace(model, x)`` does this by itself for an NNX module; use this around ``jaxq.trace``
-    or ``jaxq.quantize`` when the function only closes over the model::
+    ``jaxq.trace(model, x)`` does this by itself for an NNX module, and for a module a traced
+    function builds with ``nnx.merge`` (``jaxq.quantize(lambda state, x: nnx.merge(graphdef,
+    state)(x), state, ...)``, params as an argument); use this around ``jaxq.trace`` or
+    ``jaxq.quantize`` when the function only closes over the model::
 
         with jaxq.module_scopes(model):
             program = jaxq.trace(lambda x: model(x), x)
@@ -106,3 +108,31 @@ def module_scopes(module: Any) -> Iterator[None]:
                 setattr(cls, "__call__", call)  # noqa: B010
             else:
                 delattr(cls, "__call__")
+
+
+@contextlib.contextmanager
+def merged_scopes() -> Iterator[None]:
+    """While active, a module that ``flax.nnx.merge`` builds gets the scopes :func:`module_scopes`
+    gives (for the rest of the context): the split form of a model with params as an argument,
+    ``f = lambda state, x: nnx.merge(graphdef, state)(x)``, is named like the model itself. A
+    no-op when Flax NNX is not loaded."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or not hasattr(nnx, "merge"):
+        yield
+        return
+    merge = getattr(nnx, "merge")  # noqa: B009 (flax is not a dependency: untyped here)
+    scopes = contextlib.ExitStack()
+
+    @functools.wraps(merge)
+    def scoped_merge(*args: Any, **kwargs: Any) -> Any:
+        module = merge(*args, **kwargs)
+        if isinstance(module, nnx.Module) and _ACTIVE.get() is None:
+            scopes.enter_context(module_scopes(module))
+        return module
+
+    setattr(nnx, "merge", scoped_merge)  # noqa: B010
+    try:
+        with scopes:
+            yield
+    finally:
+        setattr(nnx, "merge", merge)  # noqa: B010

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
@@ -240,7 +239,8 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
 
     name = getattr(f, "__name__", type(f).__name__)
     # an NNX model names its layers by module path, as linen models do by themselves
-    scopes = _nnx.module_scopes(f) if _nnx.is_nnx_module(f) else contextlib.nullcontext()
+    # (and so does one a function builds from its params with nnx.merge: the split form)
+    scopes = _nnx.module_scopes(f) if _nnx.is_nnx_module(f) else _nnx.merged_scopes()
     try:
         with scopes:
             closed = jax.make_jaxpr(flat_fun)(*flat)

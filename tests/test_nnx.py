@@ -75,3 +75,20 @@ def test_module_scopes_needs_an_nnx_module():
 def test_quantizing_an_nnx_module_reports_layers_by_module_path():
     qf = jaxq.quantize(MLP(nnx.Rngs(0)), calibration=[(X,)], progress=False)
     assert [layer.name for layer in qf.report().layers] == SCOPED
+
+
+def test_the_split_form_with_params_is_named_like_the_module():
+    """``f(state, x) = nnx.merge(graphdef, state)(x)``, params as an argument: the module that
+    ``nnx.merge`` builds while jaxq traces is scoped as the model itself would be."""
+    model = MLP(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    merge, calls = nnx.merge, {cls: cls.__dict__.get("__call__") for cls in (MLP, Block, Wide)}
+
+    def f(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    qf = jaxq.quantize(f, state, calibration=[(X,)], progress=False)
+    assert [layer.name for layer in qf.report().layers] == SCOPED
+    assert nnx.merge is merge  # (restored, and the classes too)
+    assert {cls: cls.__dict__.get("__call__") for cls in calls} == calls
+    np.testing.assert_allclose(np.asarray(qf(X)), np.asarray(model(X)), rtol=0.1, atol=0.05)
