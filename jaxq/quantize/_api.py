@@ -490,7 +490,8 @@ class QuantizedFunction:
                 fixed = None
             except Exception as e:  # (the model fixes its batch: a reshape, a constant, ...)
                 program = self._program_at(tuple(args), kwargs)
-                fixed = f"the model does not trace with a symbolic batch ({type(e).__name__}: {e})"
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+                fixed = f"the model does not run with a symbolic batch ({why})"
         if not self._with_params:
             return _serialize.save(program, path, fixed=fixed)
         # tensors named by their param paths: Dense_0/kernel.codes
@@ -525,7 +526,7 @@ def _check_runs(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any])
     a model whose reshapes pin the batch traces with a symbol, then fails at any other size."""
     sym = jax.tree.unflatten(program.in_tree, list(program.jaxpr.in_avals))
     exported = jax.export.export(jax.jit(program.as_fun()))(*sym[0], **sym[1])
-    n = next(a.shape[0] for a in jax.tree.leaves((args, kwargs)) if len(a.shape))
+    n = _batch_size(args, kwargs)
 
     def zeros(a: Any) -> jax.Array:
         grow = len(a.shape) and a.shape[0] == n
@@ -534,13 +535,18 @@ def _check_runs(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any])
     jax.block_until_ready(exported.call(*jax.tree.map(zeros, args), **jax.tree.map(zeros, kwargs)))
 
 
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The leading dimension of the first argument that has one: the batch, presumably."""
+    sizes = [a.shape[0] for a in jax.tree.leaves((args, kwargs)) if len(a.shape)]
+    if not sizes:
+        raise ValueError("no argument has a batch dimension")
+    return int(sizes[0])
+
+
 def _batch_polymorphic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """Specs of the arguments with one symbolic ``batch`` for every leading dimension equal to
     the first argument's."""
-    leaves = [a for a in jax.tree.leaves((args, kwargs)) if len(a.shape)]
-    if not leaves:
-        raise ValueError("no argument has a batch dimension")
-    n = leaves[0].shape[0]
+    n = _batch_size(args, kwargs)
     (batch,) = jax.export.symbolic_shape("batch")
 
     def spec(a: Any) -> jax.ShapeDtypeStruct:
