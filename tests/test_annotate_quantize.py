@@ -278,6 +278,17 @@ def test_grad_of_vmap_and_vmap_of_grad():
     assert np.any(looped == 0) and np.any(looped != 0)  # both sides of the clip range are hit
 
 
+def test_derivatives_with_respect_to_scale_and_zero_point_are_zero():
+    """The straight-through estimator passes x's tangent only; a function of the scale or the
+    zero point alone (x constant) has derivative 0, in grad and jvp."""
+    x = np.linspace(-2, 2, 8, dtype=np.float32)
+    grad_s = jax.grad(lambda s: A.simulated_quantize(x, s).sum())(np.float32(0.3))
+    grad_z = jax.grad(lambda z: A.simulated_quantize(x, 0.3, z).sum())(np.float32(1.0))
+    _, tan = jax.jvp(lambda s: A.simulated_quantize(x, s), (np.float32(0.3),), (np.float32(1),))
+    assert float(grad_s) == 0.0 and float(grad_z) == 0.0
+    np.testing.assert_array_equal(np.asarray(tan), np.zeros(8, np.float32))
+
+
 # ---- vmap ----
 
 

@@ -150,8 +150,8 @@ def _jvp(primals: Any, tangents: Any, **params: Any) -> tuple[jax.Array, Any]:
     x, scale, zero_point = primals
     tx = tangents[0]
     y = simulated_quantize_p.bind(x, scale, zero_point, **params)
-    if type(tx) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)  # type: ignore[attr-defined]
+    if type(tx) is ad.Zero:  # (only the scale or zero point varies: a zero derivative)
+        return y, jnp.zeros_like(y)
     if params["ste"] == "identity":
         return y, tx
     qmin, qmax = quant_range(params["bits"], params["signed"], params["narrow_range"])
