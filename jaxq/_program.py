@@ -244,6 +244,8 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
     try:
         with scopes:
             closed = jax.make_jaxpr(flat_fun)(*flat)
+        if hasattr(f, "lower"):  # (a jax.jit-decorated function: the program is its body)
+            closed = _jit_body(closed)
     except jax.errors.JAXTypeError as e:
         raise TraceError(
             f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}\n"
@@ -254,6 +256,20 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
     except Exception as e:
         raise TraceError(f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}") from e
     return Program(closed, in_tree, out_tree_box[-1], in_paths, name=_identifier(name))
+
+
+def _jit_body(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """The body of a program that is one ``jit`` call of all its inputs, in order, returning all
+    its outputs (what tracing a ``jax.jit``-decorated function gives): so passes see its
+    equations at the top level, where annotations are partitioned and placed, and names do not
+    begin with ``jit/``. Any other program as it is (static arguments, constants)."""
+    jaxpr = closed.jaxpr
+    if len(jaxpr.eqns) != 1 or jaxpr.constvars:
+        return closed
+    (eqn,) = jaxpr.eqns
+    body = C.inline_body(eqn) if eqn.primitive.name in ("jit", "pjit") else None
+    same = list(eqn.invars) == list(jaxpr.invars) and list(eqn.outvars) == list(jaxpr.outvars)
+    return body if body is not None and same else closed
 
 
 def _identifier(name: str) -> str:

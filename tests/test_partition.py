@@ -396,3 +396,20 @@ def test_hand_made_cyclic_region_is_refused():
     prog = jaxq.trace(f, *ones(3))
     with pytest.raises(P.PartitionError, match="cycle"):
         P.partition_graph()(prog)
+
+
+def test_a_jit_decorated_function_is_partitioned_like_the_function():
+    """``jaxq.trace(jax.jit(f), x)`` is f's body, not one opaque call: hand-written regions
+    inside are extracted (they were left in place), with the names f gives them."""
+
+    def hand(x):
+        a = compiler_begin(x, "hand")
+        return jnp.cumsum(compiler_end(jnp.tanh(a) * 2, "hand"), 0)
+
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    plain = P.partition_graph()(jaxq.trace(hand, x))
+    jitted = P.partition_graph()(jaxq.trace(jax.jit(hand), x))
+    assert [r.primitives for r in P.regions(jitted)] == [r.primitives for r in P.regions(plain)]
+    assert [e.name for e in jitted.equations()] == [e.name for e in plain.equations()]
+    assert not any(e.primitive.startswith("compiler_") for e in jitted.equations())
+    np.testing.assert_array_equal(np.asarray(jitted(x)), np.asarray(hand(x)))
