@@ -1,6 +1,7 @@
 """Pass, program_pass, Sequential, PassContext and the built-in instruments."""
 
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,29 @@ def test_numeric_check_names_the_pass_that_changed_numbers():
         T.identity()(PROG)  # fine
         with pytest.raises(T.PassError, match=r"pass 'bad_pass' changed the numbers of output 0"):
             T.Sequential([T.identity(), bad])(PROG)
+
+
+@pytest.mark.parametrize("where", ["all", "some"])
+def test_numeric_check_names_values_a_pass_made_nan(where):
+    x = np.linspace(-1, 1, 6, dtype=np.float32)
+    prog = jaxq.trace(lambda x: jnp.exp(x) + 1.0, x)
+    nan = (
+        (lambda a: jnp.exp(a) * jnp.nan)
+        if where == "all"
+        else (lambda a: jnp.where(a > 0.5, jnp.nan, jnp.exp(a)))
+    )
+    made_nan = T.program_pass(lambda p: T.rewrite(p, {"exp": lambda v, a: nan(a)}), name="nan")
+    first, count = ((0,), 6) if where == "all" else ((4,), 2)
+    with (
+        T.PassContext(instruments=[T.NumericCheck(x)]),
+        pytest.raises(
+            T.PassError,
+            match=rf"{count} value\(s\) became or stopped being NaN or Inf, first at index "
+            + re.escape(str(first))
+            + r".*after np.float32\(nan\)",
+        ),
+    ):
+        made_nan(prog)
 
 
 def test_well_formed_catches_an_ill_typed_jaxpr():

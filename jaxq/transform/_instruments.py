@@ -96,12 +96,19 @@ class NumericCheck:
                     f"pass {p.name!r} changed output {i} from {r.dtype}{list(r.shape)} to "
                     f"{g.dtype}{list(g.shape)}"
                 )
-            if not np.allclose(g, r, rtol=self.rtol, atol=self.atol, equal_nan=True):
-                diff = np.abs(g.astype(np.float64) - r.astype(np.float64))
-                idx = np.unravel_index(int(np.nanargmax(diff)), diff.shape) if diff.size else ()
+            bad = ~np.isclose(g, r, rtol=self.rtol, atol=self.atol, equal_nan=True)
+            if bad.any():
+                # a value that became (or stopped being) NaN or Inf first: it has no |diff|
+                odd = bad & ~(np.isfinite(g) & np.isfinite(r))
+                if odd.any():
+                    idx = tuple(int(k) for k in np.argwhere(odd)[0])
+                    what = f"{int(odd.sum())} value(s) became or stopped being NaN or Inf, first"
+                else:
+                    diff = np.where(bad, np.abs(g.astype(np.float64) - r.astype(np.float64)), -1)
+                    idx = tuple(int(k) for k in np.unravel_index(int(np.argmax(diff)), diff.shape))
+                    what = f"max |diff| {float(diff[idx]):.3g}"
                 raise PassError(
-                    f"pass {p.name!r} changed the numbers of output {i}: max |diff| "
-                    f"{float(np.nanmax(diff)):.3g} at index {tuple(int(k) for k in idx)} "
+                    f"pass {p.name!r} changed the numbers of output {i}: {what} at index {idx} "
                     f"(before {r[idx]!r}, after {g[idx]!r}; rtol={self.rtol}, atol={self.atol}). "
                     "Bisect the pipeline with seq[:k] to see the IR around it."
                 )
