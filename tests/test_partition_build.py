@@ -85,6 +85,11 @@ def test_unknown_backend_names_region_and_fix(mlp_program):
         P.build(mlp_program)
     with pytest.raises(P.UnknownBackendError, match="'nope'"):
         P.build(mlp_program, backends={"A": "nope"})
+    # a misspelled backend: the fix maps the region's compiler, and the close name is offered
+    with pytest.raises(
+        P.UnknownBackendError, match=r"Did you mean 'onnxruntime'\?.*backends=\{'A': 'xla'\}"
+    ):
+        P.build(mlp_program, backends={"A": "onnxruntme"})
 
 
 def test_backend_that_raises_names_the_region_or_falls_back(mlp_program):

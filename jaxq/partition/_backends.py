@@ -12,6 +12,7 @@ for instance); :func:`jaxq.build` then runs the program eagerly too.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -67,16 +68,21 @@ def registered_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def get_backend(name: str, *, region: str | None = None) -> Codegen:
+def get_backend(name: str, *, region: str | None = None, compiler: str | None = None) -> Codegen:
+    """The codegen registered as ``name``; ``region`` and ``compiler`` (the region's, which
+    ``build``'s ``backends`` mapped to ``name``) make the error for an unknown name specific."""
     try:
         return _BACKENDS[name]
     except KeyError:
         where = f" for region {region!r}" if region else ""
         known = ", ".join(sorted(_BACKENDS))
+        compiler = name if compiler is None else compiler
+        close = difflib.get_close_matches(name, list(_BACKENDS), n=1)
+        hint = f"Did you mean {close[0]!r}? " if close else ""
         raise UnknownBackendError(
-            f"unknown backend {name!r}{where} (registered: {known}). Register one with "
+            f"unknown backend {name!r}{where} (registered: {known}). {hint}Register one with "
             f"jaxq.partition.register_backend({name!r}, codegen), or map the compiler to a known "
-            f"backend: jaxq.build(program, backends={{{name!r}: 'xla'}})."
+            f"backend: jaxq.build(program, backends={{{compiler!r}: 'xla'}})."
         ) from None
 
 

@@ -52,7 +52,9 @@ def build(
     runners: dict[str, Callable[..., Sequence[Any]]] = {}
     for r in regions(program):
         choice = backends.get(r.compiler, r.compiler)
-        codegen = choice if callable(choice) else get_backend(choice, region=r.name)
+        codegen = (
+            choice if callable(choice) else get_backend(choice, region=r.name, compiler=r.compiler)
+        )
         label = choice if isinstance(choice, str) else getattr(choice, "__name__", "codegen")
         try:
             fn = codegen(r.program())
