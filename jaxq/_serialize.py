@@ -155,6 +155,18 @@ def _fits(shape: tuple[int, ...], want: tuple[Any, ...]) -> bool:
     )
 
 
+def _dtype_name(x: Any) -> str:
+    return str(getattr(x, "dtype", None) or jnp.result_type(x))
+
+
+def _canonical_dtype(x: Any) -> Any:
+    """The dtype ``x`` has in a JAX call (float64 is float32 unless x64 is on, as under jit)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(jnp.result_type(x))
+
+
 class LoadedProgram:
     """A program loaded from disk: call it like the original function (jit-able, fixed shapes).
 
@@ -182,6 +194,17 @@ class LoadedProgram:
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if not _fits(tuple(np.shape(x)), tuple(w.shape))
         ]
+        wrong = [
+            f"  {p}: saved for {w.str_short()}, got {_dtype_name(x)}{list(np.shape(x))}"
+            for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
+            if _canonical_dtype(x) != w.dtype
+        ]
+        if wrong and not bad:
+            raise TypeError(
+                f"{self.name}: called with arguments of other dtypes than it was saved with:\n"
+                + "\n".join(wrong)
+                + "\nCast them (x.astype(...)), or save the model again for these dtypes."
+            )
         if bad:
             why = self.manifest.get("fixed")
             raise TypeError(
