@@ -282,3 +282,18 @@ def test_unroll_loops_gives_each_iteration_its_own_constant_of_a_stacked_constan
     for got, want in zip(layers, ws, strict=True):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(out(x), f(x), rtol=1e-6)
+
+
+def test_pass_context_checks_its_arguments_and_names_a_misspelled_pass():
+    p = _sin_to_cos()
+    with (
+        pytest.warns(UserWarning, match=r"no pass named 'sin_to_cso' ran .* sin_to_cos"),
+        T.PassContext(disabled=["sin_to_cso"]),
+    ):
+        assert "cos" in [e.primitive for e in p(PROG).equations()]
+    with pytest.raises(TypeError, match="opt_level must be an int; got '2'"):
+        T.PassContext(opt_level="2")
+    with pytest.raises(TypeError, match=r"got the class PassTiming \(pass PassTiming\(\.\.\.\)\)"):
+        T.PassContext(instruments=[T.PassTiming])
+    with pytest.raises(TypeError, match="instrument 42 has none of the hooks"):
+        T.PassContext(instruments=[42])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
 
@@ -161,13 +162,28 @@ class PassContext:
         config: Mapping[str, Any] | None = None,
         instruments: Iterable[Any] = (),
     ) -> None:
-        if isinstance(disabled, str):
-            raise TypeError(f"PassContext: disabled must be a sequence of names; got {disabled!r}")
+        if isinstance(opt_level, bool) or not isinstance(opt_level, int):
+            raise TypeError(f"PassContext: opt_level must be an int; got {opt_level!r}")
+        if isinstance(disabled, str) or not all(isinstance(n, str) for n in disabled):
+            raise TypeError(
+                f"PassContext: disabled must be a sequence of pass names; got {disabled!r}"
+            )
         self.opt_level = opt_level
         self.disabled = frozenset(disabled)
         self.config: Mapping[str, Any] = dict(config or {})
         self.instruments = tuple(instruments)
+        for inst in self.instruments:
+            if isinstance(inst, type):
+                raise TypeError(
+                    f"PassContext: instruments are instances; got the class {inst.__name__} "
+                    f"(pass {inst.__name__}(...))"
+                )
+            if not any(callable(getattr(inst, h, None)) for h in _HOOKS):
+                raise TypeError(
+                    f"PassContext: instrument {inst!r} has none of the hooks {', '.join(_HOOKS)}"
+                )
         self._tokens: list[contextvars.Token[PassContext | None]] = []
+        self._seen: set[str] = set()  # the passes considered inside, to find misspelled names
 
     @staticmethod
     def current() -> PassContext:
@@ -185,8 +201,18 @@ class PassContext:
         for inst in self.instruments:
             _hook(inst, "exit_pass_ctx")
         _CURRENT.reset(self._tokens.pop())
+        unknown = sorted(self.disabled - self._seen)
+        if unknown and self._seen and exc[0] is None and not self._tokens:
+            warnings.warn(
+                f"PassContext(disabled=...): no pass named {', '.join(map(repr, unknown))} ran "
+                f"in this context (passes that did: {', '.join(sorted(self._seen))}); check "
+                "the spelling",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def should_run(self, p: Pass) -> bool:
+        self._seen.add(p.name)
         if p.name in self.disabled:
             if p.required:
                 raise ValueError(
@@ -230,6 +256,9 @@ def _paused_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+_HOOKS = ("enter_pass_ctx", "exit_pass_ctx", "run_before_pass", "run_after_pass")
 
 
 def _hook(inst: Any, name: str, *args: Any) -> None:
