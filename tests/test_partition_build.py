@@ -220,3 +220,27 @@ def test_placement_with_regions_on_a_backend(mlp_program, monkeypatch):
     assert len(calls) == 2
     assert out.devices() == {jax.devices()[1]}
     np.testing.assert_allclose(out, mlp(X), rtol=1e-5, atol=1e-6)
+
+
+def test_a_numpy_runner_under_jit_gets_told_how_to_run_eagerly(mlp_program):
+    """A codegen whose runner calls numpy sees traced values under build's jax.jit: the error
+    says how to mark it eager, and marked so it runs."""
+
+    def numpy_codegen(region):
+        ref = jax.jit(region.as_fun())
+
+        def run(*flat):
+            return [np.asarray(o) for o in jax.tree.leaves(ref(*[np.asarray(a) for a in flat]))]
+
+        return run
+
+    with pytest.raises(P.BackendError, match=r"run\.jittable = False"):
+        P.build(mlp_program, backends={"A": numpy_codegen})(X)
+
+    def eager_codegen(region):
+        run = numpy_codegen(region)
+        run.jittable = False
+        return run
+
+    fn = P.build(mlp_program, backends={"A": eager_codegen})
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-5, atol=1e-6)

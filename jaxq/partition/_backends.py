@@ -49,7 +49,10 @@ def shaped_aval(atom: Any) -> ShapedArray:
 
 def register_backend(compiler: str, codegen: Codegen) -> None:
     """Run regions of ``compiler`` with ``codegen(region_program)``, which returns a callable taking
-    the region's flat inputs and returning a sequence of its flat outputs."""
+    the region's flat inputs and returning a sequence of its flat outputs. ``jaxq.build`` compiles
+    the whole program with ``jax.jit``, so the callable sees traced values: one that must run
+    eagerly (numpy, a vendor library called from Python) sets ``run.jittable = False``, or calls
+    its library through ``jax.pure_callback`` (as the ``"host"`` backend does)."""
     if not isinstance(compiler, str) or not compiler:
         raise TypeError(f"register_backend: compiler must be a non-empty string; got {compiler!r}")
     if not callable(codegen):

@@ -108,7 +108,19 @@ def build(
 
     def fun(*args: Any, **kwargs: Any) -> Any:
         flat = program.flatten_args(args, kwargs)
-        return jax.tree.unflatten(program.out_tree, run(*flat))
+        try:
+            outs = run(*flat)
+        except jax.errors.TracerArrayConversionError as e:
+            if run is flat_run:
+                raise
+            raise BackendError(
+                f"build: a region's runner turned a traced value into a numpy array while "
+                f"{program.name!r} was compiled with jax.jit: a runner that must run eagerly "
+                "(numpy, a vendor library called from Python) sets run.jittable = False on the "
+                "callable its codegen returns (build then runs the program eagerly), or wrap it "
+                "in jax.pure_callback; build(..., jit=False) runs everything eagerly."
+            ) from e
+        return jax.tree.unflatten(program.out_tree, outs)
 
     fun.__name__ = fun.__qualname__ = program.name
     fun.jittable = jittable  # type: ignore[attr-defined]
