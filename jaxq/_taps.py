@@ -17,9 +17,10 @@ from jaxq import _compat as C
 from jaxq._program import Program
 
 
-def intermediates(program: Program, names: Iterable[str], *args: Any, **kwargs: Any) -> dict:
-    """``{name: first result of that equation}`` for each name, evaluated on ``args``."""
-    wanted = list(dict.fromkeys(names))
+def intermediates(program: Program, names: str | Iterable[str], *args: Any, **kwargs: Any) -> dict:
+    """``{name: first result of that equation}`` for each of ``names`` (one name, or several),
+    evaluated on ``args``."""
+    wanted = list(dict.fromkeys([names] if isinstance(names, str) else names))
     by_name = {e.name: e for e in program.equations()}
     missing = [n for n in wanted if n not in by_name]
     if missing:

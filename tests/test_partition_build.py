@@ -80,6 +80,11 @@ def test_a_registered_codegen_gets_the_region_program(mlp_program):
     ]
 
 
+def test_build_of_a_function_says_to_trace_it():
+    with pytest.raises(TypeError, match=r"build: expects a jaxq.Program; got function.*jaxq.trace"):
+        P.build(mlp)
+
+
 def test_unknown_backend_names_region_and_fix(mlp_program):
     with pytest.raises(P.UnknownBackendError, match=r"unknown backend 'A' for region 'A_mlp_0'"):
         P.build(mlp_program)

@@ -171,6 +171,7 @@ def test_strip_annotations_removes_identities_and_honours_keep():
     assert prims(stripped) == ["sin", "mul", "simulated_quantize"]
     kept = T.strip_annotations(keep=["on_device"])(prog)  # fusion barriers stay by default
     assert prims(kept) == ["sin", "stop_fusion", "mul", "on_device", "simulated_quantize"]
+    assert prims(T.strip_annotations(keep="on_device")(prog)) == prims(kept)  # (one name)
     np.testing.assert_array_equal(stripped(X), prog(X))
     with pytest.raises(ValueError, match=r"unknown annotation\(s\) \['on_devise'\]"):
         T.strip_annotations(keep=["on_devise"])

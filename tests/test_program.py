@@ -150,6 +150,8 @@ def test_intermediates_returns_named_values_compiled():
     np.testing.assert_allclose(got["MLP/Dense_1/tanh"], mlp(PARAMS, X)["out"], rtol=1e-6)
     with pytest.raises(KeyError, match="no equation named"):
         jaxq.intermediates(prog, ["MLP/nope"], PARAMS, X)
+    one = jaxq.intermediates(prog, "MLP/Dense_1/tanh", PARAMS, X)  # (one name: not its letters)
+    np.testing.assert_array_equal(one["MLP/Dense_1/tanh"], got["MLP/Dense_1/tanh"])
     nested = jaxq.trace(lambda x: jax.jit(jnp.sin)(x), X)
     with pytest.raises(ValueError, match="inside nested jaxprs"):
         jaxq.intermediates(nested, ["jit/sin"], X)

@@ -46,6 +46,11 @@ def build(
         placed by ``plan_devices`` run eagerly: one compiled call per device segment, with real
         copies between devices.
     """
+    if not isinstance(program, Program):
+        raise TypeError(
+            f"build: expects a jaxq.Program; got {type(program).__name__}. Trace the function "
+            "and partition it first: jaxq.build(partitioned(jaxq.trace(f, *example_args)))"
+        )
     if fallback not in (None, "xla"):
         raise ValueError(f"build: fallback must be None or 'xla'; got {fallback!r}")
     backends = dict(backends or {})

@@ -72,7 +72,7 @@ def infer_layouts() -> Pass:
     return run
 
 
-def strip_annotations(keep: Iterable[str] = (), *, barriers: bool = False) -> Pass:
+def strip_annotations(keep: str | Iterable[str] = (), *, barriers: bool = False) -> Pass:
     """Remove identity annotations (``on_device``, ``compiler_begin``/``end``, ``cast_hint``) before
     codegen, except those named in ``keep``.
 
@@ -83,7 +83,9 @@ def strip_annotations(keep: Iterable[str] = (), *, barriers: bool = False) -> Pa
     # Annotations sit above the passes in the import order; the registry is read when the pass runs.
     from jaxq.annotate import IDENTITY_ANNOTATIONS, registry
 
-    keep = frozenset(keep) | (frozenset() if barriers else {"stop_fusion"})
+    keep = frozenset([keep] if isinstance(keep, str) else keep) | (
+        frozenset() if barriers else {"stop_fusion"}
+    )
     known = {op.name for op in registry()}
     unknown = sorted(keep - known)
     if unknown:
