@@ -181,3 +181,13 @@ def test_bad_pattern_tables():
         P.merge_composite([is_op("add")()])
     with pytest.raises(TypeError, match="expected a pattern"):
         is_op("add")(1.0)
+
+
+def test_is_constant_sees_a_broadcast_bias():
+    """``conv(x) + b`` adds ``b`` broadcast: ``is_constant()`` matches it as the docstring's
+    pattern writes it, and the broadcast stays outside the composite."""
+    pat = is_op("add")(is_op("conv_general_dilated")(wildcard(), wildcard()), is_constant())
+    out = run(lambda x: conv(x) + B, [("dnnl.conv_bias", pat)], X)
+    assert composites(out) == [("dnnl.conv_bias", ["conv_general_dilated", "add"])]
+    not_constant = run(lambda x: conv(x) + x[..., :1], [("dnnl.conv_bias", pat)], X)
+    assert composites(not_constant) == []

@@ -63,8 +63,13 @@ def wildcard() -> Pattern:
     return Wildcard()
 
 
+_CONSTANT_LAYOUT = ("broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims")
+"""Equations of a constant that :func:`is_constant` sees through (they stay outside the match)."""
+
+
 def is_constant() -> Pattern:
-    """A literal or a closed-over constant."""
+    """A literal or a closed-over constant, also reshaped, broadcast or cast (a bias ``b`` of
+    ``conv(x) + b`` reaches the add broadcast)."""
     return Constant()
 
 
@@ -141,7 +146,7 @@ class _Matcher:
         if isinstance(p, Wildcard):
             ok = True
         elif isinstance(p, Constant):
-            ok = C.is_literal(atom) or atom in self.constvars
+            ok = self._constant(atom)
         else:
             assert isinstance(p, Op)
             matched = self._match_op(p, atom, st)
@@ -152,6 +157,17 @@ class _Matcher:
             return None
         st.memo[key] = atom
         return st
+
+    def _constant(self, atom: Any) -> bool:
+        """A literal, a closed-over constant, or one reshaped, broadcast or cast (a bias ``b``
+        of ``x + b`` reaches the add through ``broadcast_in_dim``)."""
+        if C.is_literal(atom) or atom in self.constvars:
+            return True
+        i = self.producer.get(atom)
+        if i is None:
+            return False
+        eqn = self.jaxpr.eqns[i]
+        return eqn.primitive.name in _CONSTANT_LAYOUT and all(self._constant(v) for v in eqn.invars)
 
     def _match_op(self, p: Op, atom: Any, st: _State) -> _State | None:
         if C.is_literal(atom):
@@ -199,7 +215,10 @@ def merge_composite(patterns: Table) -> Pass:
     * ``is_op(name, where=None, **params)(*operands)``: an equation of primitive ``name`` whose
       params equal ``params`` and for which ``where(record)`` holds; operands matched position by
       position (``is_op(name)()`` with no operands leaves them free);
-    * ``wildcard()``: any value; ``is_constant()``: a literal or a closed-over constant;
+    * ``wildcard()``: any value; ``is_constant()``: a literal or a closed-over constant (also
+      reshaped, broadcast or cast: a bias as ``x + b`` adds it);
+    * ``jax.nn.relu`` traces as a ``custom_jvp_call`` (``is_op("custom_jvp_call")(p)`` matches
+      it), ``jnp.maximum(x, 0.0)`` as the ``max`` above;
     * ``p | q``: ``p``, else ``q``; ``p.optional(f)``: ``f(p)``, else ``p``;
     * using one pattern object twice means the *same* value both times (a diamond:
       ``r = is_op("sin")(x); is_op("add")(r, r)`` does not match ``sin(a) + sin(b)``; TVM PR
