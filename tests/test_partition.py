@@ -221,6 +221,20 @@ def test_annotate_target_is_rerunnable():
     assert "compiler=A" in str(once.jaxpr) and "compiler=B" in str(once.jaxpr)
 
 
+def test_the_whole_pipeline_is_rerunnable():
+    """A partitioned program through the pipeline again is unchanged: an extracted region is
+    not wrapped in a new one (it was, as a supported nested call)."""
+    support("A", "sin", "add")
+
+    def f(x, y):
+        return jnp.cos(jnp.sin(x) + y)
+
+    once = partition(f, ones(3, n=2), "A")
+    twice = pipeline("A")(once)
+    assert summary(twice) == summary(once) == [("A", ("sin", "add"), 2, 1)]
+    assert str(twice.jaxpr) == str(once.jaxpr)
+
+
 def test_region_is_a_named_function_in_stablehlo_and_annotations_are_gone():
     support("A", "sin", "cos")
 

@@ -8,6 +8,7 @@ from typing import Any
 from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.annotate import compiler_begin_p, compiler_end_p
+from jaxq.partition._partition_graph import META_KEY as REGIONS_KEY
 from jaxq.partition._regions import OUTSIDE, analyze
 from jaxq.partition._support import check_compilers, is_supported
 from jaxq.transform import Pass, program_pass
@@ -20,7 +21,8 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
     list that supports it wins) as a region of its own, as TVM's AnnotateTarget does: a
     ``compiler_begin`` on each distinct operand, a ``compiler_end`` on each result.
 
-    Equations already inside a region (annotated by an earlier run or by hand) are left alone, so
+    Equations already inside a region (annotated by an earlier run or by hand) and regions
+    ``partition_graph`` extracted are left alone (running the pipeline again changes nothing), so
     ``annotate_target(["A"])`` then ``annotate_target(["B"])`` equals ``annotate_target(["A", "B"])``.
     Unsupported equations stay unannotated (TVM's "default" target). A nested call (jit, scan, ...)
     is one unit: see :func:`jaxq.partition.register_op_support` for when it counts as supported.
@@ -35,11 +37,12 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
             e.primitive is compiler_begin_p or e.primitive is compiler_end_p for e in jaxpr.eqns
         )
         kinds = analyze(jaxpr).kind if annotated else None  # skip the analysis when unannotated
+        extracted = program.meta.get(REGIONS_KEY, {})  # regions partition_graph made already
         out: list[C.JaxprEqn] = []
         changed = False
         for i, eqn in enumerate(jaxpr.eqns):
             target = None
-            if kinds is None or kinds[i] == OUTSIDE:
+            if (kinds is None or kinds[i] == OUTSIDE) and C.call_name(eqn) not in extracted:
                 target = next((c for c in targets if is_supported(c, eqn)), None)
             if target is None:
                 out.append(eqn)
