@@ -99,9 +99,19 @@ def save(
         program.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     )
     with C.no_source_locations():  # same bytes for the same model, no local paths in the file
-        exported = bytes(
-            jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize()
-        )
+        try:
+            exported = bytes(
+                jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize()
+            )
+        except NotImplementedError as e:
+            if "callback" not in str(e):
+                raise
+            raise TypeError(
+                f"save: {program.name!r} calls back into Python (jax.pure_callback, a 'host' "
+                "backend region, ONNX Runtime through a callback), which a saved file cannot "
+                "hold; save the program before partitioning it, or run it with XLA backends "
+                f"({e})"
+            ) from e
     tensors, dtypes, keys = {}, [], []
     for i, c in enumerate(consts):
         key = (names or {}).get(i) or f"const_{i:05d}"

@@ -155,3 +155,12 @@ def test_a_loaded_program_names_an_argument_of_another_dtype(tmp_path):
     assert loaded(x.astype(np.float64)).dtype == np.float32  # (canonicalized, as under jit)
     with pytest.raises(TypeError, match=r"args\[0\]: saved for float32\[3,4\], got int32\[3, 4\]"):
         loaded(x.astype(np.int32))
+
+
+def test_a_program_with_a_host_callback_cannot_be_saved_and_says_why(tmp_path):
+    x = np.ones(3, np.float32)
+    prog = jaxq.trace(
+        lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3,), x.dtype), x), x
+    )
+    with pytest.raises(TypeError, match=r"calls back into Python .* save the program before"):
+        prog.save(tmp_path / "cb.jaxq")
