@@ -89,3 +89,29 @@ def test_a_primitive_a_backend_does_not_list_fails_to_build_on_it():
         jaxq.build(parts, backends={"claims": "host"})
     run = jaxq.build(parts, backends={"claims": "onnxruntime"})
     np.testing.assert_allclose(run(X), f(X), rtol=1e-5, atol=1e-5)
+
+
+def test_claiming_what_a_backend_runs_includes_its_conditions():
+    """ONNX Runtime lists conv_general_dilated, but not with input dilation (a transposed
+    convolution): claimed with the backend's own conditions, that one stays with XLA."""
+    pytest.importorskip("onnxruntime")
+    k = np.random.default_rng(1).normal(size=(3, 3, 2, 2)).astype(np.float32)
+    img = np.random.default_rng(2).normal(size=(1, 5, 5, 2)).astype(np.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def f(x):
+        up = lax.conv_general_dilated(
+            x, k, (1, 1), ((1, 1), (1, 1)), lhs_dilation=(2, 2), dimension_numbers=dn
+        )
+        return jnp.tanh(lax.conv_general_dilated(up, k, (1, 1), "SAME", dimension_numbers=dn))
+
+    claimed = P.register_backend_support("claims", "onnxruntime")
+    assert "conv_general_dilated" in claimed and "jit" not in claimed
+    parts = P.partition_graph()(
+        P.merge_compiler_regions()(P.annotate_target(["claims"])(jaxq.trace(f, img)))
+    )
+    assert [r.primitives for r in P.regions(parts)] == [("conv_general_dilated", "tanh")]
+    run = jaxq.build(parts, backends={"claims": "onnxruntime"})
+    np.testing.assert_allclose(run(img), f(img), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="no fixed table"):
+        P.register_backend_support("claims", "xla")

@@ -26,6 +26,7 @@ from jaxq.partition._merge import merge_compiler_regions as merge_compiler_regio
 from jaxq.partition._onnx import OrtRegion as OrtRegion
 from jaxq.partition._onnx import export_onnx as export_onnx
 from jaxq.partition._ops import backend_ops as backend_ops
+from jaxq.partition._ops import register_backend_support as register_backend_support
 from jaxq.partition._partition_graph import RegionInfo as RegionInfo
 from jaxq.partition._partition_graph import partition_graph as partition_graph
 from jaxq.partition._partition_graph import regions as regions

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from jaxq import _compat as C
 from jaxq.partition._backends import HOST_RULES, get_backend, host_codegen
-from jaxq.partition._onnx import ONNX_PRIMITIVES, onnx_codegen
+from jaxq.partition._onnx import ONNX_PRIMITIVES, onnx_codegen, unsupported_onnx_equation
+from jaxq.partition._support import register_op_support
 
 
 def backend_ops(backend: str) -> tuple[str, ...] | None:
@@ -19,12 +20,10 @@ def backend_ops(backend: str) -> tuple[str, ...] | None:
     registered yourself (its codegen says what it cannot run when :func:`jaxq.build` compiles
     a region).
 
-    This is what a backend *runs*; what a compiler *claims* for its regions is
-    :func:`register_op_support`. Partitioning for exactly what a backend runs::
-
-        for op in backend_ops("onnxruntime"):
-            register_op_support("ort", op)
-        run = jaxq.build(parts, backends={"ort": "onnxruntime"})
+    This is what a backend *runs*, by primitive; some equations of a listed primitive it still
+    cannot run (ONNX Runtime: a convolution with input dilation, a negative pad...). What a
+    compiler *claims* for its regions is :func:`register_op_support`; to claim exactly what a
+    backend runs, conditions included, use :func:`register_backend_support`.
 
     Raises:
       UnknownBackendError: nothing is registered as ``backend``.
@@ -35,3 +34,37 @@ def backend_ops(backend: str) -> tuple[str, ...] | None:
     if codegen is onnx_codegen:
         return tuple(sorted(ONNX_PRIMITIVES | C.INLINE_CALLS))
     return None
+
+
+def register_backend_support(compiler: str, backend: str) -> tuple[str, ...]:
+    """Declare that ``compiler`` supports exactly what ``backend`` runs: every primitive of
+    :func:`backend_ops`, each with the backend's own conditions (``"onnxruntime"`` takes no
+    convolution with input dilation, no negative or interior pad, no integer dot on wider than
+    8 bits...), so its regions build there without a fallback. Returns the primitives.
+
+    ::
+
+        register_backend_support("ort", "onnxruntime")
+        parts = Sequential([annotate_target(["ort"]), merge_compiler_regions(),
+                            partition_graph()])(jaxq.trace(f, x))
+        run = jaxq.build(parts, backends={"ort": "onnxruntime"})
+
+    Raises:
+      ValueError: the backend has no fixed table (``"xla"``, your own): say what your compiler
+        supports with :func:`register_op_support`.
+    """
+    ops = backend_ops(backend)
+    if ops is None:
+        raise ValueError(
+            f"register_backend_support: backend {backend!r} has no fixed table of what it runs; "
+            "declare what the compiler supports with register_op_support"
+        )
+    runs = (
+        (lambda rec: not unsupported_onnx_equation(rec.eqn))
+        if get_backend(backend) is onnx_codegen
+        else None
+    )
+    own = tuple(op for op in ops if op not in C.INLINE_CALLS)  # (calls: supported when all is)
+    for op in own:
+        register_op_support(compiler, op, runs)
+    return own
