@@ -201,16 +201,21 @@ class Program:
 
 def _canonical(dtype: Any) -> Any:
     """The dtype JAX computes in for ``dtype`` (float64 is float32 unless x64 is on)."""
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except TypeError:  # (extended dtypes such as typed PRNG keys)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # (typed PRNG keys: as they are)
         return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _dtype_of(x: Any) -> Any:
     if hasattr(x, "dtype"):
         return x.dtype
     return jnp.result_type(x)
+
+
+def leaf_dtype(x: Any) -> Any:
+    """The dtype ``x`` has as an argument of a JAX call (float64 is float32 unless x64 is on,
+    as under ``jit``; typed PRNG keys as they are)."""
+    return _canonical(_dtype_of(x))
 
 
 def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> Program:

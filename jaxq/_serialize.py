@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
-from jaxq._program import Program
+from jaxq._program import Program, _dtype_of, leaf_dtype
 from jaxq._walk import map_equations
 
 FORMAT = "jaxq.program"
@@ -165,18 +165,6 @@ def _fits(shape: tuple[int, ...], want: tuple[Any, ...]) -> bool:
     )
 
 
-def _dtype_name(x: Any) -> str:
-    return str(getattr(x, "dtype", None) or jnp.result_type(x))
-
-
-def _canonical_dtype(x: Any) -> Any:
-    """The dtype ``x`` has in a JAX call (float64 is float32 unless x64 is on, as under jit)."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return dtype
-    return jax.dtypes.canonicalize_dtype(jnp.result_type(x))
-
-
 class LoadedProgram:
     """A program loaded from disk: call it like the original function (jit-able, fixed shapes).
 
@@ -205,9 +193,9 @@ class LoadedProgram:
             if not _fits(tuple(np.shape(x)), tuple(w.shape))
         ]
         wrong = [
-            f"  {p}: saved for {w.str_short()}, got {_dtype_name(x)}{list(np.shape(x))}"
+            f"  {p}: saved for {w.str_short()}, got {_dtype_of(x)}{list(np.shape(x))}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
-            if _canonical_dtype(x) != w.dtype
+            if leaf_dtype(x) != w.dtype
         ]
         if wrong and not bad:
             raise TypeError(

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxq import _compat as C
 from jaxq import _serialize, _warnings
-from jaxq._program import Program, trace
+from jaxq._program import Program, leaf_dtype, trace
 from jaxq._taps import intermediates
 from jaxq._walk import RewriteError, interpret, rewrite
 from jaxq.quantize._annotate import annotate, prepare, with_params
@@ -58,16 +58,8 @@ from jaxq.transform import Sequential
 MODES = ("realize", "simulate")
 
 
-def _dtype(x: Any) -> Any:
-    """The dtype a leaf has inside a traced program (float64 is float32 unless x64 is on)."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return dtype  # (typed PRNG keys: nothing to canonicalize)
-    return jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))
-
-
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), _dtype(x))
+    return jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x))
 
 
 def _specs(tree: Any) -> Any:
@@ -222,7 +214,7 @@ class QuantizedFunction:
                         else "(it feeds no quantized layer)."
                     )
                 )
-            shape, dtype = np.shape(x), _dtype(x)
+            shape, dtype = np.shape(x), leaf_dtype(x)
             if shape != tuple(aval.shape) or dtype != aval.dtype:
                 got = f"{getattr(dtype, 'name', dtype)}{list(shape)}"
                 raise QuantizeError(f"{who}: {path}: expected {aval.str_short()}, got {got}")

@@ -164,12 +164,13 @@ class PassContext:
     ) -> None:
         if isinstance(opt_level, bool) or not isinstance(opt_level, int):
             raise TypeError(f"PassContext: opt_level must be an int; got {opt_level!r}")
-        if isinstance(disabled, str) or not all(isinstance(n, str) for n in disabled):
+        names = () if isinstance(disabled, str) else tuple(disabled)  # (a generator: read once)
+        if isinstance(disabled, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(
                 f"PassContext: disabled must be a sequence of pass names; got {disabled!r}"
             )
         self.opt_level = opt_level
-        self.disabled = frozenset(disabled)
+        self.disabled = frozenset(names)
         self.config: Mapping[str, Any] = dict(config or {})
         self.instruments = tuple(instruments)
         for inst in self.instruments:
