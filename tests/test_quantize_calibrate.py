@@ -1,5 +1,7 @@
 """Calibration: streaming observers with bounded memory, the four methods, the pass alone."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -88,6 +90,21 @@ def test_calibration_batches_of_other_shapes_and_progress(capsys):
     assert get_state(qf.program, "t").calibration["batches"] == 3
     assert "jaxq calibrate" in capsys.readouterr().err
     assert qf(cal[1][0]).shape == (3, 4)
+
+
+def test_param_progress_counts_weights(capsys):
+    """Quantizing params shows its own progress (more than 8 weights), counted in weights."""
+    params = [RNG.normal(size=(8, 8)).astype(np.float32) for _ in range(9)]
+
+    def stack(ps, x):
+        for w in ps:
+            x = x @ w
+        return x
+
+    Q(stack, params, calibration=[(RNG.normal(size=(2, 8)).astype(np.float32),)], progress=True)
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines()[::-1] if "jaxq quantize params" in ln)
+    assert re.search(r"\b9\b.*weight", line), line  # tqdm: "9/9 [... weight/s]"; else "9 weights"
 
 
 def test_dynamic_needs_no_calibration():

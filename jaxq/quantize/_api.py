@@ -232,7 +232,9 @@ class QuantizedFunction:
         flat = self._check_params(params, quantized=False, who="quantize_params")
         out = list(flat)
         plans = sorted(self._state.leaves.items())
-        for i, plan in progress_bar(plans, progress and len(plans) > 8, "jaxq quantize params"):
+        for i, plan in progress_bar(
+            plans, progress and len(plans) > 8, "jaxq quantize params", unit="weight"
+        ):
             out[i] = quantize_leaf(self._state, plan, flat[i])
         return jax.tree.unflatten(spec.tree, out)
 

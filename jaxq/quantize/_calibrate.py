@@ -48,7 +48,9 @@ from jaxq.quantize._state import (
 from jaxq.transform import Pass, PassContext, program_pass
 
 
-def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
+def progress_bar(
+    it: Iterable[Any], enabled: bool, desc: str, unit: str = "batch"
+) -> Iterator[Any]:
     """tqdm when it is installed, else one line on stderr at the end; silent when disabled."""
     if not enabled:
         yield from it
@@ -60,9 +62,10 @@ def progress_bar(it: Iterable[Any], enabled: bool, desc: str) -> Iterator[Any]:
         for x in it:
             count += 1
             yield x
-        print(f"{desc}: {count} batches", file=sys.stderr)
+        plural = unit if count == 1 else {"batch": "batches"}.get(unit, unit + "s")
+        print(f"{desc}: {count} {plural}", file=sys.stderr)
         return
-    yield from tqdm(it, desc=desc, unit="batch")
+    yield from tqdm(it, desc=desc, unit=unit)
 
 
 def _observed_keys(state: QState) -> list[tuple[str, Site]]:
