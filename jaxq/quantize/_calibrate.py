@@ -48,9 +48,7 @@ from jaxq.quantize._state import (
 from jaxq.transform import Pass, PassContext, program_pass
 
 
-def progress_bar(
-    it: Iterable[Any], enabled: bool, desc: str, unit: str = "batch"
-) -> Iterator[Any]:
+def progress_bar(it: Iterable[Any], enabled: bool, desc: str, unit: str = "batch") -> Iterator[Any]:
     """tqdm when it is installed, else one line on stderr at the end; silent when disabled."""
     if not enabled:
         yield from it
