@@ -124,6 +124,9 @@ class Program:
         for path, x, aval in zip(self.in_paths, flat, self.jaxpr.in_avals, strict=True):
             shape, dtype = jnp.shape(x), _dtype_of(x)
             if isinstance(x, (int, float, bool, complex)) and shape == aval.shape:
+                if not _scalar_fits(x, aval.dtype):
+                    bad.append(f"  {path}: expected {aval.str_short()}, got Python {x!r}")
+                    continue
                 x, dtype = jnp.asarray(x, aval.dtype), aval.dtype
             elif dtype != aval.dtype and _canonical(dtype) == aval.dtype and shape == aval.shape:
                 x, dtype = jnp.asarray(x, aval.dtype), aval.dtype  # float64 -> float32, as jit
@@ -204,6 +207,25 @@ def _canonical(dtype: Any) -> Any:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # (typed PRNG keys: as they are)
         return dtype
     return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _scalar_fits(x: bool | int | float | complex, dtype: Any) -> bool:
+    """Whether a Python scalar converts to ``dtype`` as JAX would promote it (bool only to bool;
+    int to an integer type it fits in, or to inexact; float to inexact; complex to complex) and
+    without overflowing to Inf."""
+    if isinstance(x, bool):
+        return jnp.issubdtype(dtype, jnp.bool_)
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return False
+    if isinstance(x, int) and jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return int(info.min) <= x <= int(info.max)
+    if isinstance(x, complex) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        return False
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return False
+    with np.errstate(over="ignore"):
+        return bool(np.all(np.isfinite(np.asarray(x, dtype)))) or not np.isfinite(x)
 
 
 def _dtype_of(x: Any) -> Any:

@@ -76,6 +76,20 @@ def test_wrong_structure_is_a_clear_error():
 def test_python_scalars_are_accepted_for_scalar_inputs():
     prog = jaxq.trace(lambda x, s: x * s, X, np.float32(2))
     np.testing.assert_array_equal(prog(X, 2.0), X * 2)
+    np.testing.assert_array_equal(prog(X, 2), X * 2)  # an int where a float was traced, as JAX
+    assert np.isinf(prog(np.abs(X) + 1, float("inf"))).all()  # Inf itself is a float value
+
+
+@pytest.mark.parametrize(
+    ("example", "given"),
+    [(3, 2.5), (True, 7), (1.5, 1e40), (3, 2**40), (2.5, 1j), (3.0, True)],
+)
+def test_python_scalars_that_jax_would_not_convert_are_refused(example, given):
+    """A Python scalar converts as JAX promotes it; anything else is an error, never a silently
+    truncated, saturated or overflowed value (int 2 for 2.5, 1 for 7, Inf for 1e40)."""
+    prog = jaxq.trace(lambda x, n: x * n, X, example)
+    with pytest.raises(TypeError, match=r"args\[1\]: expected .* got Python"):
+        prog(X, given)
 
 
 def test_untraceable_function_says_why_and_how_to_fix():
