@@ -253,6 +253,15 @@ def inline_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
     return None if key is None else as_closed(eqn.params[key])
 
 
+def is_open_param(eqn: JaxprEqn, sub: Jaxpr | ClosedJaxpr) -> bool:
+    """Whether ``sub``, a jaxpr param of ``eqn``, is re-bound without constants of its own (an
+    open Jaxpr on JAX 0.10; on 0.11+, where every Jaxpr is closed, any param but a ``jit`` body,
+    whose constants JAX itself keeps with it)."""
+    if ClosedJaxpr is not Jaxpr:
+        return not isinstance(sub, ClosedJaxpr)
+    return not is_call_eqn(eqn)
+
+
 def as_closed(j: Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
     return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, [])
 

@@ -181,13 +181,14 @@ class _Walker:
         remat_body = None
         for key, idx, sub in subs:
             label = key if idx is None else f"{key}[{idx}]"
-            is_open = isinstance(sub, C.Jaxpr) and eqn.primitive.name not in _REMATS
+            opens = C.is_open_param(eqn, sub)
+            is_open = opens and eqn.primitive.name not in _REMATS
             self.open_depth += is_open
             try:
                 new = self.retrace(C.as_closed(sub), (*visit.path, label))
             finally:
                 self.open_depth -= is_open
-            if isinstance(sub, C.Jaxpr):  # open jaxpr param (remat): only if no constants appeared
+            if opens:  # open jaxpr param (remat): only if no constants appeared
                 if new.consts:
                     remat_body = new
                 new = new.jaxpr

@@ -177,6 +177,22 @@ def test_strip_annotations_removes_identities_and_honours_keep():
         T.strip_annotations(keep=["on_devise"])
 
 
+def test_passes_rewrite_a_nested_jit_that_closes_over_a_constant():
+    """jax 0.11+ keeps a nested jit's constants in its body; re-binding it must keep them too
+    (this failed on 0.12 for every rewrite, and so after any partition_graph with weights)."""
+    from jaxq import partition as P
+
+    const = np.arange(X.shape[-1], dtype=np.float32)
+    f = lambda x: jax.jit(lambda v: jnp.sin(v) * 2 + const)(x)
+    prog = jaxq.trace(f, X)
+    for p in (T.identity(), T.strip_annotations(), T.fold_constants(), T.name_expressions()):
+        np.testing.assert_array_equal(p(prog)(X), f(X))
+    for prim in ("sin", "mul", "add"):
+        P.register_op_support("test_njc", prim)
+    parts = T.Sequential([P.annotate_target(["test_njc"]), P.partition_graph()])(prog)
+    np.testing.assert_array_equal(T.strip_annotations()(parts)(X), f(X))
+
+
 def test_fold_constants_evaluates_small_constant_subexpressions_only():
     scale = np.float32(0.5) * np.ones((1, 3), np.float32)
     big = np.arange(12 * 3, dtype=np.int8).reshape(12, 3)
