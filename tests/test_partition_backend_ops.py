@@ -1,5 +1,6 @@
 """backend_ops: what a backend says it runs is what it runs."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,3 +116,22 @@ def test_claiming_what_a_backend_runs_includes_its_conditions():
     np.testing.assert_allclose(run(img), f(img), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="no fixed table"):
         P.register_backend_support("claims", "xla")
+
+
+@pytest.mark.parametrize("backend", ["host", "onnxruntime"])
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int32])
+def test_float_to_integer_casts_saturate_like_xla(backend, dtype):
+    """numpy wraps (300.7 -> 44 in int8) and ONNX Runtime gives INT_MIN for NaN and Inf; both
+    backends convert as XLA does: NaN is 0, out of range saturates, the rest truncates."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    P.register_op_support("claims", "mul")
+    P.register_op_support("claims", "convert_element_type")
+    x = np.array([300.7, -300.7, np.inf, -np.inf, np.nan, 5e9, -5e9, 2.7, -2.7, 0.5], np.float32)
+    f = lambda v: (v * 1.0).astype(dtype)
+    parts = Sequential(
+        [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
+    )(jaxq.trace(f, x))
+    assert len(P.regions(parts)) == 1
+    got = jaxq.build(parts, backends={"claims": backend})(x)
+    np.testing.assert_array_equal(got, jax.jit(f)(x))

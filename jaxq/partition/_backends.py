@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
@@ -205,6 +206,19 @@ def _shift(kind: str) -> Callable[..., np.ndarray]:
     return shift
 
 
+def _convert(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """``x.astype(dtype)`` as XLA converts: a float to an integer type saturates at the type's
+    range, truncates toward zero, and makes NaN 0 (numpy's cast wraps or is undefined there)."""
+    dtype = np.dtype(dtype)
+    if not (jnp.issubdtype(x.dtype, jnp.inexact) and np.issubdtype(dtype, np.integer)):
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    t = np.trunc(np.where(np.isnan(x), 0, x).astype(np.float64))
+    hi, lo = t >= float(info.max), t <= float(info.min)  # (float(2**63 - 1) is 2**63)
+    inside = np.where(hi | lo, 0, t).astype(dtype)
+    return np.where(hi, info.max, np.where(lo, info.min, inside)).astype(dtype)
+
+
 HOST_RULES: dict[str, Callable[..., Any]] = {
     "add": np.add,
     "sub": np.subtract,
@@ -241,7 +255,7 @@ HOST_RULES: dict[str, Callable[..., Any]] = {
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": lambda x, **p: x.reshape(p["new_sizes"]),
     "transpose": lambda x, **p: np.transpose(x, p["permutation"]),
-    "convert_element_type": lambda x, **p: x.astype(p["new_dtype"]),
+    "convert_element_type": lambda x, **p: _convert(x, p["new_dtype"]),
     "reduce_sum": _reduce(np.sum),
     "reduce_max": _reduce(np.max),
     "reduce_min": _reduce(np.min),

@@ -473,8 +473,12 @@ class _Exporter:
             if q is not None:
                 return [q]
             to = self.helper.np_dtype_to_tensor_dtype(np.dtype(p["new_dtype"]))
-            cast = self.node("Cast", ins, to=to)
             src_dtype = np.dtype(shaped_aval(e.invars[0]).dtype)
+            if np.issubdtype(np.dtype(p["new_dtype"]), np.integer) and src_dtype.kind == "f":
+                info, bounds = np.iinfo(p["new_dtype"]), self.clamp_of(e.invars[0])
+                if bounds is None or not info.min <= bounds[1] <= bounds[2] <= info.max:
+                    return self.saturating_cast(ins[0], src_dtype, np.dtype(p["new_dtype"]), to)
+            cast = self.node("Cast", ins, to=to)
             if np.dtype(p["new_dtype"]) == np.int8 and np.issubdtype(src_dtype, np.floating):
                 self.float_codes[cast[0]] = (ins[0], src_dtype)
             return cast
@@ -583,6 +587,25 @@ class _Exporter:
     def name_of(self, a: Any) -> str:
         return self.const(a.val, a.aval.dtype) if C.is_literal(a) else self.env[a]
 
+    def saturating_cast(self, x: str, src: np.dtype, dst: np.dtype, to: int) -> list[str]:
+        """A float to integer Cast as XLA converts: NaN to 0, saturated at the integer type's
+        range, truncated toward zero (ONNX leaves out-of-range casts undefined: ONNX Runtime
+        gives INT_MIN for NaN and Inf, and wraps int8)."""
+        info = np.iinfo(dst)
+        hi = np.array(info.max, src)
+        if float(hi) > info.max:  # (int32's max is 2**31 in float32: clip below it)
+            hi = np.nextafter(hi, np.array(-np.inf, src))
+        zero = self.const(0, src)
+        clean = self.node("Where", [self.node("IsNaN", [x])[0], zero, x])[0]
+        lo_c, hi_c = self.const(info.min, src), self.const(hi, src)
+        cast = self.node("Cast", self.node("Clip", [clean, lo_c, hi_c]), to=to)
+        if float(hi) == info.max:
+            out = cast
+        else:  # at or above the type's max: the max itself
+            top = self.node("GreaterOrEqual", [clean, self.const(float(info.max), src)])[0]
+            out = self.node("Where", [top, self.const(info.max, dst), cast[0]])
+        return out
+
     def is_scalar(self, a: Any, want: float) -> bool:
         v = self.value(a)
         return v is not None and v.size == 1 and float(v.reshape(())) == want
@@ -590,26 +613,37 @@ class _Exporter:
     def clamped(self, v: Any, lo: float, hi: float) -> Any:
         """``x`` where ``v`` is ``x`` clamped to ``[lo, hi]`` (``lax.clamp``, ``jnp.clip``, or
         ``min`` and ``max`` in either order), else None."""
+        found = self.clamp_of(v)
+        return found[0] if found is not None and found[1:] == (lo, hi) else None
+
+    def clamp_of(self, v: Any) -> tuple[Any, float, float] | None:
+        """``(x, lo, hi)`` where ``v`` is ``x`` clamped to constant bounds, else None."""
         g = self.graph
+        scalar = lambda a: (lambda c: None if c is None or c.size != 1 else float(c.reshape(())))(
+            self.value(a)
+        )
         e = g.made_by(v, "clamp")
         if e is not None:
-            ok = self.is_scalar(e.invars[0], lo) and self.is_scalar(e.invars[2], hi)
-            return e.invars[1] if ok else None
+            lo, hi = scalar(e.invars[0]), scalar(e.invars[2])
+            return None if lo is None or hi is None else (e.invars[1], lo, hi)
         e = g.made_by(v, "jit", "pjit")
         if e is not None and C.call_name(e) == "clip" and len(e.invars) == 3:
-            ok = self.is_scalar(e.invars[1], lo) and self.is_scalar(e.invars[2], hi)
-            return e.invars[0] if ok else None
-        for outer, inner, first, second in (("min", "max", hi, lo), ("max", "min", lo, hi)):
+            lo, hi = scalar(e.invars[1]), scalar(e.invars[2])
+            return None if lo is None or hi is None else (e.invars[0], lo, hi)
+        for outer, inner in (("min", "max"), ("max", "min")):
             e = g.made_by(v, outer)
             if e is None:
                 continue
             for i in (0, 1):
                 f = g.made_by(e.invars[i], inner)
-                if f is None or not self.is_scalar(e.invars[1 - i], first):
+                first = scalar(e.invars[1 - i])
+                if f is None or first is None:
                     continue
                 for j in (0, 1):
-                    if self.is_scalar(f.invars[1 - j], second):
-                        return f.invars[j]
+                    second = scalar(f.invars[1 - j])
+                    if second is not None:
+                        lo, hi = (second, first) if outer == "min" else (first, second)
+                        return f.invars[j], lo, hi
         return None
 
     def quantize_form(self, e: C.JaxprEqn) -> tuple[Any, Any, Any] | None:
