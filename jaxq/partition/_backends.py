@@ -136,9 +136,11 @@ def _dot_general(x: np.ndarray, y: np.ndarray, **p: Any) -> np.ndarray:
     free_x = [s for i, s in enumerate(sx) if i not in cx and i not in bx]
     free_y = [s for i, s in enumerate(sy) if i not in cy and i not in by]
     spec = f"{''.join(sx)},{''.join(sy)}->{''.join(batch + free_x + free_y)}"
-    # accumulate in the result type, as XLA does (numpy sums int8 x int8 in int8, wrapping)
+    # accumulate in the result type, as XLA does (numpy sums int8 x int8 in int8, wrapping);
+    # 16-bit floats in float32, rounded once at the end (numpy's einsum has no bfloat16)
     dt = np.dtype(p.get("preferred_element_type") or np.result_type(x, y))
-    return np.einsum(spec, x.astype(dt), y.astype(dt))
+    acc = np.dtype(np.float32) if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4 else dt
+    return np.einsum(spec, x.astype(acc), y.astype(acc)).astype(dt)
 
 
 def _broadcast_in_dim(x: np.ndarray, **p: Any) -> np.ndarray:
