@@ -152,15 +152,19 @@ class Program:
     def equations(self) -> Iterator[Equation]:
         """Every equation in program order, nested ones (jit, scan, cond, ...) right after their
         parent."""
+        for path, _, _, eqn in _names.walk_names(self.jaxpr.jaxpr):
+            yield self.equation_at(path, eqn)
+
+    def equation_at(self, path: tuple[Any, ...], eqn: C.JaxprEqn) -> Equation:
+        """``eqn``, found at ``path`` (see :meth:`equations`), with its name and layouts."""
         lay: Mapping[Any, str] = self.layouts or {}
-        for path, name, _, eqn in _names.walk_names(self.jaxpr.jaxpr):
-            yield Equation(
-                name,
-                eqn,
-                path,
-                tuple(None if C.is_literal(v) else lay.get(v) for v in eqn.invars),
-                tuple(lay.get(v) for v in eqn.outvars),
-            )
+        return Equation(
+            self.names.get(path, eqn.primitive.name),
+            eqn,
+            path,
+            tuple(None if C.is_literal(v) else lay.get(v) for v in eqn.invars),
+            tuple(lay.get(v) for v in eqn.outvars),
+        )
 
     def equation(self, name: str) -> Equation:
         """The equation named ``name`` (:class:`KeyError` if there is none)."""

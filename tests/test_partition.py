@@ -8,6 +8,7 @@ import pytest
 
 import jaxq
 from jaxq import partition as P
+from jaxq import transform as T
 from jaxq._compat import check_jaxpr
 from jaxq.annotate import compiler_begin, compiler_end
 from jaxq.transform import NumericCheck, PassContext, Sequential, WellFormed
@@ -258,6 +259,35 @@ def test_predicate_sees_dtype_and_shape():
 
     out = partition(f, (ones(4)[0], np.arange(4, dtype=np.int32)), "A")
     assert summary(out) == [("A", ("add",), 1, 1)]
+
+
+def test_predicates_see_stable_names_paths_and_layouts():
+    """An op-support predicate and a composite pattern's ``where`` get the equation as
+    ``Program.equations()`` shows it (they got the primitive name, no path and no layouts)."""
+    seen = []
+
+    @P.register_op_support("A", "dot_general")
+    def second_layer(rec):
+        seen.append((rec.name, rec.path, rec.in_layouts))
+        return rec.name.startswith("Dense_1/")
+
+    def f(x, w):
+        with jax.named_scope("Dense_0"):
+            x = jnp.tanh(x @ w)
+        with jax.named_scope("Dense_1"):
+            return jax.jit(lambda a: a @ w)(x)  # (nested: its path goes through the jit)
+
+    w = np.ones((3, 3), np.float32)
+    prog = T.infer_layouts()(jaxq.trace(f, np.ones((2, 3), np.float32), w))
+    out = P.partition_graph()(P.annotate_target(["A"])(prog))
+    names = [n for n, _, _ in seen]
+    assert names == ["Dense_0/dot_general", "Dense_1/jit/dot_general"], seen
+    assert seen[0][1:] == ((0,), ("NC", "IO")) and seen[1][1][1:] == ("jaxpr", 0)
+    assert [r.primitives for r in P.regions(out)] == [("jit",)]
+    picked = []
+    pattern = P.is_op("tanh", where=lambda e: picked.append(e.name) or True)(P.wildcard())
+    P.merge_composite([("A.act", pattern)])(prog)
+    assert picked == ["Dense_0/tanh"]
 
 
 def test_nested_call_is_supported_only_when_everything_inside_is():

@@ -43,7 +43,10 @@ def annotate_target(compilers: str | Sequence[str]) -> Pass:
         for i, eqn in enumerate(jaxpr.eqns):
             target = None
             if (kinds is None or kinds[i] == OUTSIDE) and C.call_name(eqn) not in extracted:
-                target = next((c for c in targets if is_supported(c, eqn)), None)
+                at = (i,)
+                target = next(
+                    (c for c in targets if is_supported(c, eqn, program.equation_at, at)), None
+                )
             if target is None:
                 out.append(eqn)
                 continue

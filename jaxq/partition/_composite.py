@@ -123,8 +123,9 @@ class _State:
 
 
 class _Matcher:
-    def __init__(self, jaxpr: C.Jaxpr, claimed: set[int]) -> None:
-        self.jaxpr = jaxpr
+    def __init__(self, program: Program, claimed: set[int]) -> None:
+        self.program = program
+        jaxpr = self.jaxpr = program.jaxpr.jaxpr
         self.constvars = set(jaxpr.constvars)
         self.claimed = claimed
         self.producer: dict[Any, int] = {}
@@ -181,7 +182,7 @@ class _Matcher:
         for k, v in p.params:
             if k not in eqn.params or eqn.params[k] != v:
                 return None
-        if p.where is not None and not p.where(Equation(eqn.primitive.name, eqn, (i,), (), ())):
+        if p.where is not None and not p.where(self.program.equation_at((i,), eqn)):
             return None
         st.eqns.add(i)
         if p.operands is None:
@@ -269,7 +270,7 @@ def _apply(
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     claimed: set[int] = set()
-    m = _Matcher(jaxpr, claimed)
+    m = _Matcher(program, claimed)
     users: dict[Any, set[int]] = {}
     for i, e in enumerate(eqns):
         for v in e.invars:
@@ -296,7 +297,7 @@ def _apply(
         if escapes or max(members) != i:
             continue
         if check is not None:
-            recs = tuple(Equation(eqns[j].primitive.name, eqns[j], (j,), (), ()) for j in members)
+            recs = tuple(program.equation_at((j,), eqns[j]) for j in members)
             if not check(Match(name, recs)):
                 continue
         claimed.update(members)

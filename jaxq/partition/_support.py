@@ -49,7 +49,9 @@ def register_op_support(compiler: str, primitive: Any, predicate: Predicate | No
     ``"dot_general"`` or a Primitive) for which ``predicate(record)`` is true (always, if None).
 
     ``record`` is a :class:`jaxq.Equation`: ``.primitive``, ``.params``, ``.in_avals``,
-    ``.out_avals`` give the dtype, shape and params. Usable as a decorator on the predicate::
+    ``.out_avals`` give the dtype, shape and params; ``.name`` the stable name
+    (``Dense_1/dot_general``) and ``.in_layouts`` the layouts, as ``Program.equations()`` shows
+    them. Usable as a decorator on the predicate::
 
         @register_op_support("dnnl", "dot_general")
         def _(rec):
@@ -116,9 +118,9 @@ def check_compilers(compilers: Any, where: str) -> tuple[str, ...]:
     return out
 
 
-def _record(eqn: C.JaxprEqn) -> Equation:
+def _record(path: tuple[Any, ...], eqn: C.JaxprEqn) -> Equation:
     return Equation(
-        eqn.primitive.name, eqn, (), (None,) * len(eqn.invars), (None,) * len(eqn.outvars)
+        eqn.primitive.name, eqn, path, (None,) * len(eqn.invars), (None,) * len(eqn.outvars)
     )
 
 
@@ -132,8 +134,15 @@ def composite_compiler(eqn: C.JaxprEqn) -> str | None:
     return head if dot and head else None
 
 
-def is_supported(compiler: str, eqn: C.JaxprEqn, record: Equation | None = None) -> bool:
-    """Whether ``compiler`` supports ``eqn`` under the rule in this module's docstring."""
+def is_supported(
+    compiler: str,
+    eqn: C.JaxprEqn,
+    record: Callable[[tuple[Any, ...], C.JaxprEqn], Equation] = _record,
+    path: tuple[Any, ...] = (),
+) -> bool:
+    """Whether ``compiler`` supports ``eqn`` under the rule in this module's docstring.
+    ``record(path, eqn)`` is what a predicate gets (``Program.equation_at``: its stable name and
+    layouts)."""
     table = _TABLE.get(compiler, {})
     prim = eqn.primitive
     if is_annotation(prim):
@@ -145,7 +154,7 @@ def is_supported(compiler: str, eqn: C.JaxprEqn, record: Equation | None = None)
     if prim.name in table:
         pred = table[prim.name]
         try:
-            ok = pred is None or bool(pred(record if record is not None else _record(eqn)))
+            ok = pred is None or bool(pred(record(path, eqn)))
         except Exception as e:
             raise RuntimeError(
                 f"op-support predicate of compiler {compiler!r} for {prim.name!r} raised "
@@ -155,8 +164,11 @@ def is_supported(compiler: str, eqn: C.JaxprEqn, record: Equation | None = None)
             return False
     elif not subs or prim.name not in CALL_PRIMITIVES:
         return False
-    for _, _, sub in subs:
+    for key, idx, sub in subs:
         inner = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
-        if not all(is_supported(compiler, e) for e in inner.eqns):
+        label = key if idx is None else f"{key}[{idx}]"
+        if not all(
+            is_supported(compiler, e, record, (*path, label, j)) for j, e in enumerate(inner.eqns)
+        ):
             return False
     return True
