@@ -217,6 +217,31 @@ def test_fold_constants_evaluates_small_constant_subexpressions_only():
         T.fold_constants(-1)
 
 
+def test_fold_constants_keeps_annotations_on_constants():
+    """Annotations mean something to later passes (placement, fusion barriers, quantization
+    sites): folding evaluates what feeds them and keeps them (it dropped all four)."""
+    from jaxq import annotate as A
+
+    w0 = np.linspace(-1, 1, 9, dtype=np.float32).reshape(3, 3)
+
+    def f(x):
+        w = A.simulated_quantize(jnp.asarray(w0) * 2.0, 0.05, kind="weight")
+        w = A.stop_fusion(A.on_device(A.cast_hint(w, "int8"), "cpu:0"))
+        return x @ w
+
+    prog = jaxq.trace(f, X)
+    folded = T.fold_constants()(prog)
+    assert [e.primitive for e in folded.equations()] == [
+        "simulated_quantize",
+        "cast_hint",
+        "on_device",
+        "stop_fusion",
+        "dot_general",
+    ]
+    np.testing.assert_array_equal(folded(X), prog(X))
+    assert A.is_annotation("on_device") and not A.is_annotation("mul")
+
+
 @pytest.mark.parametrize("which", [np.True_, np.False_, np.array([True, False, True])])
 def test_fold_constants_picks_the_case_a_constant_predicate_selects(which):
     # (jnp.var's where(n - ddof > 0, var, nan), inlined: the choice is known before the values)

@@ -77,6 +77,7 @@ IDENTITY_ANNOTATIONS: frozenset[Primitive] = frozenset(
 """
 
 _ANNOTATIONS = frozenset(op.primitive for op in _REGISTRY)
+_NAMES = frozenset(p.name for p in _ANNOTATIONS)
 
 
 def registry() -> tuple[AnnotationOp, ...]:
@@ -84,6 +85,8 @@ def registry() -> tuple[AnnotationOp, ...]:
     return _REGISTRY
 
 
-def is_annotation(primitive: Primitive) -> bool:
-    """Whether `primitive` is one of jaxq's annotation primitives."""
+def is_annotation(primitive: Primitive | str) -> bool:
+    """Whether `primitive` (a Primitive or its name) is one of jaxq's annotation primitives."""
+    if isinstance(primitive, str):
+        return primitive in _NAMES
     return primitive in _ANNOTATIONS

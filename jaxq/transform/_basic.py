@@ -116,7 +116,12 @@ def fold_constants(max_elements: int = 4096) -> Pass:
     (``jnp.var``'s ``where(n - ddof > 0, ...)``) is that case. Equations with effects and
     sub-programs (jit, scan, ...) are left as they are; their equations are folded inside, except
     in bodies that JAX re-binds without constants of their own (``scan`` / ``while`` bodies on
-    newer JAX).
+    newer JAX). Annotations (``on_device``, ``stop_fusion``, ``simulated_quantize``, ...) are
+    kept, on folded operands: later passes read them.
+
+    Each folded value is computed by XLA on its own, as the equation it replaces: a folded
+    reduction may round differently (in the last bits) from the same reduction compiled together
+    with the rest of the program, as with XLA's own constant folding.
     """
     if not isinstance(max_elements, int) or max_elements < 0:
         raise ValueError(f"fold_constants: max_elements must be an int >= 0; got {max_elements!r}")
@@ -137,7 +142,13 @@ def fold_constants(max_elements: int = 4096) -> Pass:
 
     @program_pass(name="fold_constants")
     def run(program: Program) -> Program:
-        prims = {e.primitive for e in program.equations() if not C.subjaxpr_params(e.params)}
+        from jaxq.annotate import is_annotation
+
+        prims = {
+            e.primitive
+            for e in program.equations()
+            if not C.subjaxpr_params(e.params) and not is_annotation(e.eqn.primitive)
+        }
         return rewrite(program, {p: fold for p in prims}, scope="fold")
 
     return run
