@@ -68,6 +68,15 @@ def test_identity_gradients(name, shape, dtype, seed):
     np.testing.assert_array_equal(np.asarray(per_example), np.asarray(c))
 
 
+@pytest.mark.parametrize("name", sorted(IDENTITY_FUNS))
+def test_identity_annotations_transpose_as_the_identity(name):
+    """``jax.linear_transpose`` through each (cast_hint had no transpose rule)."""
+    f = IDENTITY_FUNS[name]
+    x, ct = jnp.ones(3), jnp.arange(3.0)
+    (got,) = jax.linear_transpose(lambda v: f(v) * 2.0, x)(ct)
+    np.testing.assert_array_equal(got, ct * 2.0)
+
+
 def _prims(jaxpr) -> list[str]:
     return [e.primitive.name for e in jaxpr.jaxpr.eqns]
 

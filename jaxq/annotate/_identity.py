@@ -56,3 +56,6 @@ def plain_tangents(p: Primitive) -> None:
         return p.bind(x, **params), t
 
     ad.primitive_jvps[p] = jvp
+    # as a linear map (jax.linear_transpose of a function that annotates its linear input) it is
+    # the identity too, and so is its transpose
+    ad.primitive_transposes[p] = lambda ct, x, **params: [ct]
