@@ -241,13 +241,15 @@ _INLINE_BODY = {
     "pjit": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
+    "checkpoint": "jaxpr",  # (remat: outside differentiation it computes its body)
+    "remat2": "jaxpr",
 }
 INLINE_CALLS: frozenset[str] = frozenset(_INLINE_BODY)
 """The call primitives :func:`inline_body` opens (an interpreter runs their bodies in place)."""
 
 
 def inline_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
-    """The body of a call-like equation (jit, custom_jvp_call, custom_vjp_call) that evaluates
+    """The body of a call-like equation (jit, custom_jvp_call, custom_vjp_call, checkpoint) that evaluates
     exactly like the equation on the same operands; None for any other equation."""
     key = _INLINE_BODY.get(eqn.primitive.name)
     return None if key is None else as_closed(eqn.params[key])

@@ -151,3 +151,18 @@ def test_host_runs_16_bit_float_dots_it_claims(dtype):
     got = jaxq.build(parts, backends={"claims": "host"})(a, b)
     assert got.dtype == dtype
     np.testing.assert_allclose(np.float32(got), np.float32(f(a, b)), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["host", "onnxruntime"])
+def test_checkpointed_calls_a_backend_claims_run_there(backend):
+    """jax.checkpoint computes its body outside differentiation; the table backends claimed it
+    (a pure call) and then failed to build it ("no numpy rule for ['remat2']")."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    P.register_backend_support("claims", backend)
+    f = lambda x: jax.checkpoint(lambda a: jnp.sin(a) * jnp.tanh(a @ W))(x) + 1.0
+    parts = partitioned(f, "claims")
+    (region,) = P.regions(parts)
+    assert region.primitives[0] in ("checkpoint", "remat2")
+    run = jaxq.build(parts, backends={"claims": backend})
+    np.testing.assert_allclose(run(X), f(X), rtol=1e-5, atol=1e-5)
