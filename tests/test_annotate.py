@@ -195,6 +195,12 @@ def test_registry():
             "compiler_end: compiler must be a non-empty string; got None",
         ),
         (lambda: A.cast_hint(1.0, "int9"), TypeError, "cast_hint: dtype must be a numpy dtype"),
+        # a container is not stacked into one array (it was, silently)
+        (lambda: A.stop_fusion((1.0, 2.0)), TypeError, "stop_fusion: expected one array, got a"),
+        (lambda: A.on_device([1.0], "cpu:0"), TypeError, "on_device: expected one array, got a"),
+        (lambda: A.cast_hint({"a": 1.0}, "int8"), TypeError, "cast_hint: expected one array"),
+        (lambda: A.compiler_begin((1.0,), "c"), TypeError, "compiler_begin: expected one array"),
+        (lambda: A.simulated_quantize([1.0], 0.1), TypeError, "simulated_quantize: expected one"),
     ],
 )
 def test_bad_arguments(call, error, message):

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
-from ._identity import identity_annotation, plain_tangents
+from ._identity import as_array, identity_annotation, plain_tangents
 
 cast_hint_p = identity_annotation("cast_hint")
 # The hint describes how the primal is stored; a tangent of a quantized value is not stored as int8.
@@ -20,4 +20,4 @@ def cast_hint(x: ArrayLike, dtype: DTypeLike) -> jnp.ndarray:
         name = jnp.dtype(dtype).name
     except TypeError as e:
         raise TypeError(f"cast_hint: dtype must be a numpy dtype; got {dtype!r}") from e
-    return cast_hint_p.bind(jnp.asarray(x), dtype=name)
+    return cast_hint_p.bind(as_array(x, "cast_hint"), dtype=name)

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ._identity import annotate_tangents, identity_annotation
+from ._identity import annotate_tangents, as_array, identity_annotation
 
 compiler_begin_p = identity_annotation("compiler_begin")
 compiler_end_p = identity_annotation("compiler_end")
@@ -24,10 +24,12 @@ def _check_compiler(op: str, compiler: object) -> str:
 def compiler_begin(x: ArrayLike, compiler: str) -> jnp.ndarray:
     """Return `x`, marking it as an input of a region that `compiler` will compile."""
     return compiler_begin_p.bind(
-        jnp.asarray(x), compiler=_check_compiler("compiler_begin", compiler)
+        as_array(x, "compiler_begin"), compiler=_check_compiler("compiler_begin", compiler)
     )
 
 
 def compiler_end(x: ArrayLike, compiler: str) -> jnp.ndarray:
     """Return `x`, marking it as an output of a region that `compiler` will compile."""
-    return compiler_end_p.bind(jnp.asarray(x), compiler=_check_compiler("compiler_end", compiler))
+    return compiler_end_p.bind(
+        as_array(x, "compiler_end"), compiler=_check_compiler("compiler_end", compiler)
+    )

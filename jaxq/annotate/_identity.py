@@ -7,10 +7,23 @@ params, their lowering and how they treat tangents, so the rules are written onc
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 Lowering = Callable[..., Any]
+
+
+def as_array(x: Any, who: str) -> jax.Array:
+    """``x`` as an array; a container (tuple, list, dict) is an error, not an array stacked from
+    its leaves (what ``jnp.asarray`` would make of a tuple of arrays)."""
+    if isinstance(x, (tuple, list, dict)):
+        raise TypeError(
+            f"{who}: expected one array, got a {type(x).__name__}; annotate each array of a "
+            f"pytree: jax.tree.map(lambda a: jaxq.annotate.{who}(a{'' if who == 'stop_fusion' else ', ...'}), tree)"
+        )
+    return jnp.asarray(x)
 
 
 def _pass_through(ctx: Any, x: Any, **params: Any) -> list[Any]:

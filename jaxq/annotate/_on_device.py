@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ._identity import annotate_tangents, identity_annotation
+from ._identity import annotate_tangents, as_array, identity_annotation
 
 on_device_p = identity_annotation("on_device")
 # The derivative of work placed on a device is placed there too.
@@ -39,4 +39,4 @@ def on_device(x: ArrayLike, device: jax.Device | str) -> jnp.ndarray:
 
     Placement is carried out by a later pass; the annotation itself moves nothing.
     """
-    return on_device_p.bind(jnp.asarray(x), device=canonical_device(device))
+    return on_device_p.bind(as_array(x, "on_device"), device=canonical_device(device))

@@ -21,6 +21,8 @@ from jax.typing import ArrayLike
 
 from jaxq._compat import is_tracer
 
+from ._identity import as_array
+
 Kind = Literal["input", "weight", "activation"]
 Rounding = Literal["nearest_even", "half_away_from_zero", "half_up", "floor"]
 Ste = Literal["identity", "clipped"]
@@ -228,7 +230,7 @@ def simulated_quantize(
     `kind` (`"input"`, `"weight"`, `"activation"`) does not change the value; it tells passes what
     is being quantized.
     """
-    x = jnp.asarray(x)
+    x = as_array(x, "simulated_quantize")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"simulated_quantize: x must have a floating dtype; got {x.dtype}")
     if not isinstance(bits, int) or isinstance(bits, bool):

@@ -5,7 +5,7 @@ from jax import lax
 from jax.interpreters import mlir
 from jax.typing import ArrayLike
 
-from ._identity import annotate_tangents, identity_annotation
+from ._identity import annotate_tangents, as_array, identity_annotation
 
 stop_fusion_p = identity_annotation(
     "stop_fusion",
@@ -21,4 +21,4 @@ def stop_fusion(x: ArrayLike) -> jnp.ndarray:
     optimization barrier. The tangent and cotangent get a barrier too, so the backward pass keeps
     the same fusion boundary.
     """
-    return stop_fusion_p.bind(jnp.asarray(x))
+    return stop_fusion_p.bind(as_array(x, "stop_fusion"))
