@@ -105,7 +105,9 @@ class Program:
 
         def fun(*args: Any, **kwargs: Any) -> Any:
             flat = self.flatten_args(args, kwargs)
-            return jax.tree.unflatten(self.out_tree, run(*flat))
+            # (arrays, as under jit: an output that is an input or a literal came back as is)
+            outs = [y if isinstance(y, jax.Array) else jnp.asarray(y) for y in run(*flat)]
+            return jax.tree.unflatten(self.out_tree, outs)
 
         fun.__name__ = fun.__qualname__ = self.name
         return fun

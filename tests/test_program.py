@@ -92,6 +92,15 @@ def test_python_scalars_that_jax_would_not_convert_are_refused(example, given):
         prog(X, given)
 
 
+def test_outputs_are_arrays_also_when_an_input_or_a_literal():
+    """As under jit: a passed-through numpy input and a literal output come back as arrays (they
+    came back as the caller's own numpy array and JAX's internal TypedInt / TypedFloat)."""
+    prog = jaxq.trace(lambda x: (x, 3, 2.5), X)
+    out = prog(X)
+    assert all(isinstance(y, jax.Array) for y in out), [type(y) for y in out]
+    assert out[1].dtype == jnp.int32 and float(out[2]) == 2.5
+
+
 def test_untraceable_function_says_why_and_how_to_fix():
     def branchy(x):
         if x.sum() > 0:  # Python control flow on a traced value
