@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxq import _warnings
 from jaxq.annotate._simulated_quantize import _ROUND, simulated_quantize_p
 from jaxq.quantize._config import Scheme
 from jaxq.quantize._gptq import gptq_codes
@@ -203,6 +204,13 @@ def quantize_weight(
         wf = jnp.asarray(w, jnp.float32)
         if not bool(jnp.all(jnp.isfinite(wf))):
             raise QuantizeError(f"quantize: weight of {site.name!r} holds NaN or Inf")
+        if s.symmetric and not s.signed and bool(jnp.any(wf < 0)):
+            _warnings.warn(
+                f"quantize: the weight of {site.name!r} holds negative values, which an unsigned "
+                "symmetric scheme (codes from 0, zero point 0) clips to 0; use "
+                "Scheme(signed=True) or Scheme(symmetric=False) for it",
+                UserWarning,
+            )
         full_scale, full_zp, group_scale, group_zp = weight_qparams(wf, site, method)
         off = storage_offset(s)
         scales = QWeight(

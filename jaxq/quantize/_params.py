@@ -226,14 +226,14 @@ class LeafPlan:
         self, codes: Any, scale: Any, zero_point: Any, sums: Any, act_scale: Any, act_zp: Any
     ) -> QArray:
         """The QArray of these arrays with this plan's metadata, keeping only those the plan
-        stores (no zero point for a symmetric scheme, no activation scale without
+        stores (no zero point for a signed symmetric scheme, no activation scale without
         ``act_site``...)."""
         s = self.scheme
         has_act = self.act_site is not None
         return QArray(
             codes,
             scale,
-            None if s.symmetric else zero_point,
+            None if s.symmetric and s.signed else zero_point,  # (unsigned: stored shifted)
             None if self.sum_axes is None else sums,
             act_scale if has_act else None,
             act_zp if has_act and self.act_asymmetric else None,
