@@ -486,6 +486,11 @@ class QuantizedFunction:
                 program = self._program_at(tuple(args), kwargs)
                 why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
                 fixed = f"the model does not run with a symbolic batch ({why})"
+                _warnings.warn(
+                    f"save: {os.fspath(path)!r} runs only at the traced shapes: {fixed}. Save "
+                    "at the shapes you will call it with: qf.save(path, x)",
+                    UserWarning,
+                )
         if not self._with_params:
             return _serialize.save(program, path, fixed=fixed)
         # tensors named by their param paths: Dense_0/kernel.codes

@@ -150,7 +150,7 @@ def to_site(w: np.ndarray, chain: Sequence[tuple[str, Any]]) -> np.ndarray:
 def to_leaf(v: np.ndarray, chain: Sequence[tuple[str, Any]]) -> np.ndarray:
     """Inverse of :func:`to_site` for the layout (a site-oriented array back to the leaf's)."""
     for prim, key in reversed(chain):
-        if prim == "transpose":
+        if prim == "transpose" and np.ndim(v) == len(key):  # (a per-tensor scale: as it is)
             v = np.transpose(v, np.argsort(key))
     return v
 

@@ -500,7 +500,8 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     new = list(invals)
     w = weight_codes(qw).astype(jnp.float32)
     symmetric = not _nonzero(qw.zero_point) and site.weights.granularity != "group"
-    out_smaller = shaped_aval(visit.eqn.outvars[0]).size < qw.codes.size
+    out_size = shaped_aval(visit.eqn.outvars[0]).size  # (symbolic under a polymorphic export:
+    out_smaller = isinstance(out_size, int) and out_size < qw.codes.size  # any size, so large)
     if not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
         if _nonzero(qw.zero_point):
             w = w - qw.zero_point.astype(np.float32)
