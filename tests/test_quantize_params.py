@@ -622,6 +622,31 @@ def test_weight_only_models_save_with_a_symbolic_batch(tmp_path, bits):
     np.testing.assert_allclose(qf(X), sim(X), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("closed", [True, False])
+def test_layers_in_another_order_at_new_shapes_are_an_error_not_wrong_scales(closed):
+    """Layers are matched by name, and names follow program order: a function whose layer order
+    depends on its argument shapes must not run a layer with another's codes and activation
+    scale (closed over, it did: relative error 1.0, 98% of one layer's inputs clipped)."""
+    w = {k: (RNG.normal(size=(12, 4)) / 4).astype(np.float32) for k in "ac"}
+
+    def f(p, x, y):
+        if x.shape[0] <= 6:
+            u, v = x @ p["a"], y @ p["c"]
+        else:  # (the same, in the other order)
+            v, u = y @ p["c"], x @ p["a"]
+        return u + v
+
+    cal = [(X, 100 * X[::-1])]
+    kw = dict(calibration=cal, progress=False)
+    qf = Q(functools.partial(f, w), **kw) if closed else Q(f, w, **kw)
+    want = f(w, *cal[0])
+    assert np.linalg.norm(qf(*cal[0]) - want) < 0.02 * np.linalg.norm(want)
+    big = np.concatenate([X, X])
+    match = "another weight than|another order at these argument shapes"
+    with pytest.raises(QuantizeError, match=match):
+        qf(big, 100 * big)
+
+
 def test_float64_inputs_are_canonicalized_as_under_jit():
     qf = realized()
     x64 = X.astype(np.float64)

@@ -141,7 +141,9 @@ class QuantizedFunction:
                 state = state.replace(params=param_spec(source, 0))
             realize_mode = self.mode == "realize"
             handler = realize_handler(state) if realize_mode else simulate_handler(state)
-            prog, engine = lower(state, handler, mode=self.mode, integer_chains=realize_mode)
+            prog, engine = lower(
+                state, handler, mode=self.mode, integer_chains=realize_mode, verify_weights=True
+            )
             state = state.replace(
                 sites=engine.sites,
                 skipped=engine.skipped,

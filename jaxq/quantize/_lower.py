@@ -83,6 +83,7 @@ from jaxq.quantize._state import (
     Site,
     is_concrete,
     shaped_aval,
+    weight_digest,
 )
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -134,8 +135,10 @@ class Engine:
         grams: Mapping[str, np.ndarray] | None = None,
         *,
         mode: str = "simulate",
+        verify_weights: bool = False,
     ) -> None:
         self.state = state
+        self.verify_weights = verify_weights  # (a constant weight must be the one quantized)
         self.chains = dict(chains or {})
         self.grams = dict(grams or {})  # layers to (re)quantize with GPTQ
         self.handler = handler
@@ -603,11 +606,20 @@ class Engine:
         if isinstance(raw[wi], WeightRef):
             return self.param_site(visit, site, raw)
         qw = self.weights.get(name)
+        if qw is not None and self.verify_weights and qw.digest != weight_digest(raw[wi]):
+            raise QuantizeError(
+                f"quantize: layer {name!r} reads another weight than the one it was quantized "
+                "and calibrated with: the function's layers come in another order at these "
+                "argument shapes, or its closed-over weights changed. Pass the weights as params "
+                "(jaxq.quantize(f, params, ...), layers matched by param path), or quantize "
+                "again for these shapes"
+            )
         if qw is None or qw.shape != tuple(np.shape(raw[wi])) or name in self.grams:
+            digest = weight_digest(raw[wi])
             qw = quantize_weight(
                 raw[wi], site, config.weight_calibration, self.grams.get(name), config.gptq_damp
             )
-            self.weights[name] = qw
+            self.weights[name] = qw = dataclasses.replace(qw, digest=digest)
         if qw.method == "gptq":  # codes not from rounding: the simulated weight is their value
             raw[wi] = dequantized_weight(qw, np.asarray(raw[wi]).dtype)
         self.sites[name] = site
@@ -662,8 +674,10 @@ class Engine:
                 raise QuantizeError(
                     f"quantize: the program's quantization sites no longer match its state: "
                     f"param {plan.path} reaches {site.name!r}, planned for "
-                    f"{None if known is None else known.site!r}. Run the passes that change "
-                    "the program before jaxq.quantize.annotate."
+                    f"{None if known is None else known.site!r}: a pass between the phases "
+                    "changed the program (run such passes before jaxq.quantize.annotate), or the "
+                    "function's layers come in another order at these argument shapes (quantize "
+                    "it again for them)."
                 )
             self.leaves[ref.leaf] = plan
             return plan
@@ -720,15 +734,17 @@ def lower(
     integer_chains: bool = False,
     grams: Mapping[str, np.ndarray] | None = None,
     source: Program | None = None,
+    verify_weights: bool = False,
 ) -> tuple[Program, Engine]:
     """Rewrite the float program (``source``, default the state's) through the engine's rules
     (``rewrite`` re-traces it). ``integer_chains`` (realize) runs planned pass-through equations
     on int8 codes; ``grams`` (calibrate) re-quantizes those layers' weights with GPTQ. With params
     (``state.params``) the result takes QArrays at the planned leaves when ``quantized_params``
-    (always in realize), float params otherwise."""
+    (always in realize), float params otherwise. ``verify_weights``: a constant weight must be
+    the one its layer's codes were made from (a function traced again at other shapes)."""
     source = state.source if source is None else source
     chains = plan_chains(source, state) if integer_chains else None
-    engine = Engine(state, handler, chains, grams, mode=mode)
+    engine = Engine(state, handler, chains, grams, mode=mode, verify_weights=verify_weights)
     try:
         if state.params is None:
             out = rewrite(source, engine.rules(), scope="quantize")

@@ -5,6 +5,7 @@ phase (or a re-trace at new shapes) finds them again."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
@@ -113,10 +114,19 @@ class QWeight:
     method: str = "minmax"  # how the codes were chosen: "minmax", "mse" or "gptq"
     sums: Any = None  # a param's stored code sums over the contracted axes (kept), or None
     packed: Any = None  # a param's stored int4 bytes (``pack_int4`` of ``codes``), or None
+    digest: bytes | None = None  # a constant weight's content hash (see ``weight_digest``)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.codes.shape
+
+
+def weight_digest(w: Any) -> bytes:
+    """A constant weight's content hash: which weight a layer's codes were made from."""
+    a = np.ascontiguousarray(np.asarray(w))
+    h = hashlib.blake2b(a.view(np.uint8).reshape(-1).data, digest_size=16)
+    h.update(repr((a.shape, a.dtype.str)).encode())
+    return h.digest()
 
 
 @dataclasses.dataclass(frozen=True)
