@@ -647,6 +647,28 @@ def test_layers_in_another_order_at_new_shapes_are_an_error_not_wrong_scales(clo
         qf(big, 100 * big)
 
 
+@pytest.mark.parametrize("activations", [Scheme(symmetric=False), None])
+def test_a_tied_weight_read_transposed_runs_in_simulate_as_realize_deploys_it(activations):
+    """An encoder/decoder sharing ``w`` (``x @ w``, then ``h @ w.T``): the second layer stays
+    float on the dequantized codes, the only weight realize has, and simulate (QAT) computes
+    the same (it read the float weight); weight-only realize crashed (the decoder took the
+    encoder's layout, whose output axis it contracts)."""
+    w = {"w": (RNG.normal(size=(12, 8)) / 3).astype(np.float32)}
+
+    def tied(p, x):
+        with jax.named_scope("enc"):
+            h = jnp.tanh(x @ p["w"])
+        with jax.named_scope("dec"):
+            return h @ p["w"].T
+
+    kw = dict(calibration=BATCHES, config=QConfig(activations=activations), progress=False)
+    real, sim = Q(tied, w, **kw), Q(tied, w, mode="simulate", **kw)
+    np.testing.assert_allclose(real(X), sim(X), rtol=1e-5, atol=1e-6)
+    assert [lay.status for lay in real.report().layers][0] == "quantized"
+    g = jax.grad(lambda p: jnp.sum(sim.apply(p, X) ** 2))(w)["w"]
+    assert np.isfinite(g).all() and np.abs(g).max() > 0
+
+
 def test_float64_inputs_are_canonicalized_as_under_jit():
     qf = realized()
     x64 = X.astype(np.float64)

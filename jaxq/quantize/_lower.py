@@ -217,7 +217,29 @@ class Engine:
         leaf is read as floats), an int8 KV cache read."""
         if isinstance(v, WeightRef):
             self.float_leaves.add(v.leaf)
+            plan = self.leaves.get(v.leaf) or self.state.leaves.get(v.leaf)
+            if self.mode == "simulate" and plan is not None and not isinstance(v.value, QView):
+                return self._as_deployed(v, plan)
         return v.dequantize() if isinstance(v, KVCache) else to_float(v)
+
+    def _as_deployed(self, ref: WeightRef, plan: Any) -> Any:
+        """A float param leaf that is quantized for another layer, as a layer that stays float
+        reads it once deployed: the dequantized codes (a tied weight; realize has only the
+        QArray), so QAT trains the function realize runs."""
+        w = jnp.asarray(ref.value)
+        undo = lambda w, chain: functools.reduce(
+            lambda w, c: jnp.transpose(w, np.argsort(c[1])) if c[0] == "transpose" else w,
+            reversed(chain),
+            w,
+        )
+        redo = lambda w, chain: functools.reduce(
+            lambda w, c: jnp.transpose(w, c[1]) if c[0] == "transpose" else w, chain, w
+        )
+        site = self.sites.get(plan.site) or self.state.sites[plan.site]
+        w_site = redo(undo(w, ref.chain), plan.chain)
+        qw = traced_qweight(w_site, site, self.state.config.weight_calibration)
+        fq = fake_quant_weight(w_site, qw, site)
+        return redo(undo(fq, plan.chain), ref.chain).astype(w.dtype)
 
     def plain(self, v: Any) -> Any:
         """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""

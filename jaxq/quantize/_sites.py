@@ -70,6 +70,8 @@ def _dot_geometry(visit: Visit, wi: int) -> tuple[int, tuple[int, ...], tuple[in
     lay = visit.in_layouts[wi] if visit.in_layouts else None
     letter = "O" if wi == 1 else "N"
     channel = lay.index(letter) if lay and letter in lay else free[0]
+    if channel not in free:  # (a weight tied to another layer, read transposed: its layout is
+        channel = free[0]  # the other layer's, whose output axis this one contracts)
     return channel, tuple(wc), tuple(ac)
 
 
