@@ -228,7 +228,7 @@ class Engine:
         QArray), so QAT trains the function realize runs."""
         w = jnp.asarray(ref.value)
         undo = lambda w, chain: functools.reduce(
-            lambda w, c: jnp.transpose(w, np.argsort(c[1])) if c[0] == "transpose" else w,
+            lambda w, c: jnp.transpose(w, tuple(np.argsort(c[1]))) if c[0] == "transpose" else w,
             reversed(chain),
             w,
         )
