@@ -417,7 +417,8 @@ def test_rules_first_match_wins_and_unmatched_are_reported():
     with pytest.warns(UserWarning, match="matched no equation"):
         qf = Q(mlp, calibration=[(X,)], config=QConfig(rules=rules), progress=False)
     rows = {r.name: r for r in qf.report().layers}
-    assert rows["MLP/Dense_1/dot_general"].status == "skipped by rule"
+    assert rows["MLP/Dense_1/dot_general"].status == "skipped by rules[0]"
+    assert rows["MLP/Dense_1/dot_general"].rule == 0
     assert (
         rows["MLP/Dense_0/dot_general"].weights.startswith("int4")
         and rows["MLP/Dense_0/dot_general"].rule == 1

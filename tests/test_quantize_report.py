@@ -80,7 +80,11 @@ def test_saved_quantized_model_is_small_exact_and_runs_alone(qf, tmp_path):
     i4 = q4.save(tmp_path / "int4.jaxq")
     loaded = jaxq.load(i8)
     np.testing.assert_array_equal(loaded(X[1]), jax.jit(qf.program.as_fun())(X[1]))
-    np.testing.assert_array_equal(jaxq.load(i4)(X[1]), jax.jit(q4.program.as_fun())(X[1]))
+    # (saved with a symbolic batch, the weight-only layers dequantize their weights; traced at a
+    # few rows they scale the output instead: equal within float rounding)
+    np.testing.assert_allclose(
+        jaxq.load(i4)(X[1]), jax.jit(q4.program.as_fun())(X[1]), rtol=1e-5, atol=1e-6
+    )
     # stored tensor bytes (the file adds a fixed header: the exported program); the on-disk goals
     # for real models are measured by benchmarks/bench_quantize.py
     stored = {p.name: jaxq.load(p).param_bytes for p in (f32, i8, i4)}

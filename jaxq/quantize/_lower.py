@@ -575,7 +575,9 @@ class Engine:
 
         if weights is None:
             if visit.primitive not in OPT_IN or rule is not None:
-                self.skipped[name] = "skipped by rule" if rule is not None else "weights=None"
+                self.skipped[name] = (
+                    f"skipped by rules[{rule}]" if rule is not None else "weights=None"
+                )
             return bind_float()
         concrete = [
             i

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -333,7 +334,16 @@ def make_report(
         if site is None:
             if e.name in state.skipped:
                 why = state.skipped[e.name]
-                rows.append(LayerReport(e.name, e.primitive, why, in_loop=loops.get(e.name)))
+                by = re.fullmatch(r"skipped by rules\[(\d+)\]", why)
+                rows.append(
+                    LayerReport(
+                        e.name,
+                        e.primitive,
+                        why,
+                        rule=None if by is None else int(by.group(1)),
+                        in_loop=loops.get(e.name),
+                    )
+                )
             continue
         qw = state.weights.get(e.name)
         wscale = None
