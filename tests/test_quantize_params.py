@@ -782,3 +782,22 @@ def test_a_weight_reshaped_before_its_layer_is_named_with_the_fix():
     assert not isinstance(qf.params["w"], QArray)
     (layer,) = qf.report().layers
     assert "reaches it through reshape" in layer.status and "Store the param" in layer.status
+
+
+@pytest.mark.parametrize(
+    ("form", "primitive"),
+    [
+        (lambda p, x: x @ (p["w"] * 2.0), "mul"),
+        (lambda p, x: x @ (p["w"] + p["a"] @ p["b"]), "add"),  # (a LoRA-merged weight)
+        (lambda p, x: x @ (p["w"] / 2.0), "div"),
+    ],
+)
+def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, primitive):
+    """A weight computed in f from params stays float; the report said "no weight operand (both
+    are activations ...)" though the weight is in params."""
+    w = {"w": P["dense"][0]["kernel"], "a": np.full((12, 2), 0.01, np.float32)}
+    w["b"] = np.full((2, 16), 0.01, np.float32)
+    with pytest.warns(UserWarning, match=rf"through {primitive}\)"):
+        qf = Q(form, w, calibration=BATCHES, progress=False)
+    (layer,) = [lay for lay in qf.report().layers if "reaches it through" in lay.status]
+    assert f"reaches it through {primitive}" in layer.status and "outside f" in layer.status

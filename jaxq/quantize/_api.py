@@ -868,7 +868,8 @@ def quantize(
             f"jaxq.quantize: {len(unfollowed)} layer(s) stay float: their weight params reach "
             "them through equations quantization does not follow (only transposes and casts): "
             f"{unfollowed[:5]}{' ...' if len(unfollowed) > 5 else ''}. Store each param in the "
-            "shape its layer uses; qf.report() lists them",
+            "shape its layer uses, computed outside f (a scaled or merged weight); qf.report() "
+            "lists them",
             UserWarning,
         )
     if params is None:

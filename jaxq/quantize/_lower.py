@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -113,6 +113,9 @@ def iteration_key(key: str, i: int) -> str:
     return f"{key}@{i}"
 
 
+DERIVED = ("sub", "div", "neg", "integer_pow", "square", "sqrt", "rsqrt", "abs", "exp", "tanh")
+"""Elementwise equations whose result, computed from a param, is noted as derived from it (``add``
+and ``mul`` are opt-in sites and note it themselves)."""
 UNFOLLOWED = "its weight, params"
 """How the reason of a layer whose weight param reaches it through an equation quantization
 does not follow (a reshape) begins."""
@@ -199,8 +202,26 @@ class Engine:
             return None if s is None else np.float32(1) / np.asarray(s, np.float32)
         return self.state.smooth.get(name)
 
+    def _note_derived(self, invals: Sequence[Any], out: Any, primitive: str) -> Any:
+        """Remember that ``out`` is computed from a param (``w * 2``, ``w + a @ b``): a layer
+        that takes it as its weight then says so instead of "no weight operand"."""
+        leaf = next((v.leaf for v in invals if isinstance(v, WeightRef)), None)
+        origin = (leaf, primitive) if leaf is not None else None
+        if origin is None:
+            origin = next((self.derived[id(v)][1] for v in invals if id(v) in self.derived), None)
+        if origin is not None and not isinstance(out, (list, tuple)):
+            self.derived[id(out)] = (out, origin)
+        return out
+
+    def derived_rule(self, visit: Visit, *invals: Any) -> Any:
+        """An arithmetic equation, bound as it is, that notes a result computed from a param."""
+        out = visit.bind(*(self.coerce(v) for v in _read_caches(invals)))
+        return self._note_derived(invals, out, visit.primitive)
+
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
+        if self.state.params is not None:  # (params: a weight computed from one is named)
+            table.update({p: self.derived_rule for p in DERIVED})
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
         table["scan"] = self.scan_rule
@@ -569,9 +590,10 @@ class Engine:
         raw = list(invals)
 
         def bind_float() -> Any:  # leave the equation as it is (dequantizing any int8 operand)
-            return visit.bind(
+            out = visit.bind(
                 *(v.dequantize() if isinstance(v, QTensor) else self.coerce(v) for v in raw)
             )
+            return self._note_derived(raw, out, visit.primitive)
 
         if weights is None:
             if visit.primitive not in OPT_IN or rule is not None:
@@ -657,10 +679,16 @@ class Engine:
         if origin is None or spec is None:
             return NO_WEIGHT_REASON
         leaf, primitive = origin
+        path = "" if spec.paths[leaf].startswith("args[") else spec.paths[leaf]  # (bare: params)
+        fix = (
+            "Store the param in the shape the layer uses"
+            if primitive in FOLDABLE
+            else "Compute the weight outside f and pass it as the param (e.g. merge w * s or "
+            "w + a @ b into the params before jaxq.quantize)"
+        )
         return (
-            f"{UNFOLLOWED}{spec.paths[leaf]}, reaches it through {primitive}, which "
-            f"quantization does not follow (only {', '.join(CHAIN[:2])}): stays float. Store "
-            "the param in the shape the layer uses"
+            f"{UNFOLLOWED}{path}, reaches it through {primitive}, which "
+            f"quantization does not follow (only {', '.join(CHAIN[:2])}): stays float. {fix}"
         )
 
     def plan_leaf(self, ref: WeightRef, site: Site, visit: Visit) -> LeafPlan | str:
