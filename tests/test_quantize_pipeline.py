@@ -310,6 +310,9 @@ def test_partial_and_weight_argnums_agree():
     b = Q(apply, calibration=[(params, X)], weight_argnums=0, progress=False)
     np.testing.assert_array_equal(np.asarray(a(X)), np.asarray(b(X)))
     assert len(get_state(b.program, "t").sites) == 2
+    two = Q(lambda x, p, s: apply(p, x) * s, calibration=[(X, params, 2.0)], weight_argnums=1)
+    with pytest.raises(jaxq.TraceError, match=r"arguments \[0, 2\] besides the weights"):
+        two(X)  # (s left out: it raised StopIteration)
 
 
 def test_nested_jit_weights_are_found():

@@ -659,6 +659,13 @@ def _bind_weights(
     n = len(full_args)
 
     def fun(*rest: Any, **kwargs: Any) -> Any:
+        if len(rest) < n - len(weights):
+            others = [i for i in range(n) if i not in weights]
+            raise TypeError(
+                f"quantize: f takes positional arguments {others} besides the weights "
+                f"(weight_argnums={sorted(weights)}); called with {len(rest)}. Call it with "
+                "all of them, weights left out"
+            )
         it = iter(rest)
         args = [weights[i] if i in weights else next(it) for i in range(n)]
         return f(*args, *it, **kwargs)
