@@ -801,3 +801,12 @@ def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, p
         qf = Q(form, w, calibration=BATCHES, progress=False)
     (layer,) = [lay for lay in qf.report().layers if "reaches it through" in lay.status]
     assert f"reaches it through {primitive}" in layer.status and "outside f" in layer.status
+
+
+def test_calibration_in_the_wrong_form_says_what_a_batch_is():
+    with pytest.raises(TypeError, match="iterable of argument tuples.*wrap each batch"):
+        Q(model, P, calibration=X, progress=False)
+    with pytest.raises(TypeError, match="got dict .*keyword arguments"):
+        Q(model, P, calibration={"x": X}, progress=False)
+    with pytest.raises(QuantizeError, match=r"first calibration batch, called as f\(params, \*b"):
+        Q(model, P, calibration=[(P, X)], progress=False)  # (the params in the batch too)

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -776,7 +776,7 @@ def quantize(
     first = None
     if calibration is not None:
         if (
-            isinstance(calibration, (str, bytes))
+            isinstance(calibration, (str, bytes, Mapping))
             or not isinstance(calibration, Iterable)
             or hasattr(calibration, "shape")
         ):
@@ -786,6 +786,8 @@ def quantize(
                 + (
                     " (one array: wrap each batch in a tuple)"
                     if hasattr(calibration, "shape")
+                    else " (one batch of keyword arguments: not supported, pass them by position)"
+                    if isinstance(calibration, Mapping)
                     else ""
                 )
             )
@@ -841,8 +843,11 @@ def quantize(
     try:
         program = trace(fun, *lead, *drop(example))
     except Exception as e:
+        given = "example_args" if example_args is not None else "the first calibration batch"
+        call = "f(params, *batch)" if params is not None else "f(*batch)"
         raise QuantizeError(
-            f"quantize: could not trace f with the example arguments: {type(e).__name__}: {e}"
+            f"quantize: could not trace f with {given}, called as {call} (a batch holds the "
+            f"arguments after the params): {type(e).__name__}: {e}"
         ) from e
     phases = [annotate(config, params_argnum=0 if params is not None else None)]
     if batches is not None and needs_data:
