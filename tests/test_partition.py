@@ -457,3 +457,16 @@ def test_a_jit_decorated_function_is_partitioned_like_the_function():
     assert [e.name for e in jitted.equations()] == [e.name for e in plain.equations()]
     assert not any(e.primitive.startswith("compiler_") for e in jitted.equations())
     np.testing.assert_array_equal(np.asarray(jitted(x)), np.asarray(hand(x)))
+
+
+def test_region_annotations_inside_a_nested_call_are_warned_about():
+    """Regions are top-level equations: hand-written boundaries inside a jit body made nothing,
+    silently."""
+
+    def f(x):
+        inner = lambda v: compiler_end(jnp.tanh(compiler_begin(v, "A")), "A")
+        return jax.jit(inner)(x) * 2
+
+    with pytest.warns(UserWarning, match=r"inside nested calls or loops \(\['jit/compiler_begin'"):
+        out = P.partition_graph()(jaxq.trace(f, ones(3)[0]))
+    assert P.regions(out) == []

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jaxq import _compat as C
+from jaxq import _warnings
 from jaxq._program import Program
 from jaxq.partition._regions import BEGIN, END, analyze, node_graph
 from jaxq.transform import Pass, program_pass
@@ -36,6 +37,19 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
     def _run(program: Program) -> Program:
         closed = program.jaxpr
         jaxpr = closed.jaxpr
+        nested = [
+            e.name
+            for e in program.equations()
+            if e.primitive == "compiler_begin" and len(e.path) > 1
+        ]
+        if nested:
+            _warnings.warn(
+                f"partition_graph: {len(nested)} compiler_begin annotation(s) inside nested calls "
+                f"or loops ({nested[:3]}) make no region: regions are top-level equations. "
+                "Annotate the call as a whole (annotate_target takes a supported call as one "
+                "unit), or write the annotations outside it",
+                UserWarning,
+            )
         an = analyze(jaxpr)
         found = an.regions()
         if not found:
