@@ -200,6 +200,8 @@ def test_placed_program_runs_on_the_requested_devices():
     assert x3.devices() == {devs[0]}
     for got, want in zip((a1, b, x3), placed(X), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(P.BackendError, match="placed on devices by plan_devices, so it runs"):
+        jax.jit(P.build(prog))(X)  # (JAX's "incompatible devices" error, before)
 
 
 def test_on_device_of_an_input_is_a_copy():

@@ -113,6 +113,13 @@ def build(
 
     def fun(*args: Any, **kwargs: Any) -> Any:
         flat = program.flatten_args(args, kwargs)
+        if placement and any(C.is_tracer(x) for x in flat):
+            raise BackendError(
+                f"build: {program.name!r} is placed on devices by plan_devices, so it runs "
+                "eagerly (one compiled call per device segment, with real copies between "
+                "devices); call it outside jax.jit / jax.vmap / jax.grad. Each segment is "
+                "compiled already."
+            )
         try:
             outs = run(*flat)
         except jax.errors.TracerArrayConversionError as e:
