@@ -107,10 +107,10 @@ def save(
             if "callback" not in str(e):
                 raise
             raise TypeError(
-                f"save: {program.name!r} calls back into Python (jax.pure_callback, a 'host' "
-                "backend region, ONNX Runtime through a callback), which a saved file cannot "
-                "hold; save the program before partitioning it, or run it with XLA backends "
-                f"({e})"
+                f"save: {program.name!r} calls back into Python (jax.debug.print, "
+                "jax.pure_callback / io_callback, a 'host' backend region, ONNX Runtime through "
+                "a callback), which a saved file cannot hold; save a program without them (for "
+                f"regions: before partitioning it, or with XLA backends) ({e})"
             ) from e
     tensors, dtypes, keys = {}, [], []
     for i, c in enumerate(consts):

@@ -195,6 +195,8 @@ def test_registry():
             "compiler_end: compiler must be a non-empty string; got None",
         ),
         (lambda: A.cast_hint(1.0, "int9"), TypeError, "cast_hint: dtype must be a numpy dtype"),
+        (lambda: A.cast_hint(1.0, None), TypeError, "cast_hint: dtype must be a numpy dtype"),
+        (lambda: A.compiler_begin(1.0, "a.b"), ValueError, "compiler_begin: compiler must not"),
         # a container is not stacked into one array (it was, silently)
         (lambda: A.stop_fusion((1.0, 2.0)), TypeError, "stop_fusion: expected one array, got a"),
         (lambda: A.on_device([1.0], "cpu:0"), TypeError, "on_device: expected one array, got a"),

@@ -17,6 +17,8 @@ def cast_hint(x: ArrayLike, dtype: DTypeLike) -> jnp.ndarray:
     in jaxprs; a later pass decides whether to honour it.
     """
     try:
+        if dtype is None:  # (jnp.dtype(None) is float64)
+            raise TypeError
         name = jnp.dtype(dtype).name
     except TypeError as e:
         raise TypeError(f"cast_hint: dtype must be a numpy dtype; got {dtype!r}") from e

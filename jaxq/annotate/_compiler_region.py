@@ -18,6 +18,8 @@ def _check_compiler(op: str, compiler: object) -> str:
         raise TypeError(f"{op}: compiler must be a non-empty string; got {compiler!r}")
     if not compiler:
         raise ValueError(f"{op}: compiler must be a non-empty string; got {compiler!r}")
+    if "." in compiler:  # (as register_op_support: '.' separates a composite's compiler)
+        raise ValueError(f"{op}: compiler must not contain '.'; got {compiler!r}")
     return compiler
 
 
