@@ -25,9 +25,12 @@ from jaxq.transform import PassContext
 RNG = np.random.default_rng(0)
 # (every scheme's arithmetic on signed data, unsigned symmetric activations too: their clipping
 # of negative values is what calibration warns about, and what these tests check exactly)
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:.* activation\(s\) quantized unsigned and symmetric:UserWarning"
-)
+pytestmark = [  # (the properties try every scheme, unsigned symmetric ones on signed data too)
+    pytest.mark.filterwarnings(
+        r"ignore:.* activation\(s\) quantized unsigned and symmetric:UserWarning"
+    ),
+    pytest.mark.filterwarnings(r"ignore:quantize. the weight of .* holds negative:UserWarning"),
+]
 W1 = (RNG.normal(size=(16, 24)) * 0.3).astype(np.float32)
 B1 = (RNG.normal(size=(24,)) * 0.1).astype(np.float32)
 W2 = (RNG.normal(size=(24, 8)) * 0.3).astype(np.float32)
