@@ -168,7 +168,15 @@ class _Walker:
                 f"rule for {visit.primitive} failed at equation {visit.name!r}: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        return list(out) if visit.eqn.primitive.multiple_results else [out]
+        if visit.eqn.primitive.multiple_results:
+            return list(out)
+        if isinstance(out, (list, tuple)):
+            raise RewriteError(
+                f"rule for {visit.primitive} at {visit.name!r} returned a "
+                f"{type(out).__name__}; {visit.primitive} has one output, so the rule returns "
+                "one array"
+            )
+        return [out]
 
     def default(self, visit: Visit, invals: list[Any], params: dict[str, Any]) -> list[Any]:
         eqn = visit.eqn

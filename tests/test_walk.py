@@ -158,3 +158,5 @@ def test_a_rule_that_changes_an_equations_type_is_an_error():
         jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x, axes=(1,))})
     with pytest.raises(RewriteError, match=r"returned int32\[3\]"):
         jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x).astype(jnp.int32)})
+    with pytest.raises(RewriteError, match=r"returned a list; reduce_sum has one output"):
+        jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: [v.bind(x)]})
