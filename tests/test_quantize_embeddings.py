@@ -295,7 +295,8 @@ def test_random_tables_and_indices(case):
 
 
 def tied(params, ids):
-    """The token table embeds the ids and, transposed, projects back onto the vocabulary."""
+    """The token table embeds the ids and, transposed, projects back onto the vocabulary. (Dense's
+    weight ``w @ w.T`` is computed from params: it stays float, and quantize warns so.)"""
     with jax.named_scope("Embed"):
         h = params["tok"][ids]
     with jax.named_scope("Dense"):
@@ -304,6 +305,7 @@ def tied(params, ids):
         return h @ params["tok"].T, h
 
 
+@pytest.mark.filterwarnings(r"ignore:.*\(params\['w'\] through dot_general\):UserWarning")
 @pytest.mark.parametrize(
     "acts", [Scheme(symmetric=False), Scheme(), None], ids=["asym", "sym", "weight_only"]
 )
@@ -322,6 +324,7 @@ def test_a_tied_output_projection_shares_the_table_codes(acts):
     assert rows["Head/dot_general"].sqnr_db > 25
 
 
+@pytest.mark.filterwarnings(r"ignore:.*\(params\['w'\] through dot_general\):UserWarning")
 def test_a_tied_projection_with_another_scheme_stays_float_and_says_why():
     cfg = QConfig(rules=(Rule(primitives={"gather"}, weights=Scheme(bits=4)),))
     r, _ = both(tied, PARAMS, cfg)

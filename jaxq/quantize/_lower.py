@@ -203,13 +203,22 @@ class Engine:
         return self.state.smooth.get(name)
 
     def _note_derived(self, invals: Sequence[Any], out: Any, primitive: str) -> Any:
-        """Remember that ``out`` is computed from a param (``w * 2``, ``w + a @ b``): a layer
-        that takes it as its weight then says so instead of "no weight operand"."""
+        """Remember that ``out`` is computed from params and constants alone (``w * 2``,
+        ``w + a @ b``): a layer that takes it as its weight then says so instead of "no weight
+        operand". (An activation plus a bias param is an activation.)"""
+        own = lambda v: (
+            isinstance(v, WeightRef)
+            or id(v) in self.derived
+            or isinstance(v, (np.ndarray, np.generic, int, float))
+            or (isinstance(v, jax.Array) and is_concrete(v))
+        )
+        if isinstance(out, (list, tuple)) or not all(own(v) for v in invals):
+            return out
         leaf = next((v.leaf for v in invals if isinstance(v, WeightRef)), None)
         origin = (leaf, primitive) if leaf is not None else None
         if origin is None:
             origin = next((self.derived[id(v)][1] for v in invals if id(v) in self.derived), None)
-        if origin is not None and not isinstance(out, (list, tuple)):
+        if origin is not None:
             self.derived[id(out)] = (out, origin)
         return out
 
