@@ -622,8 +622,9 @@ def test_weight_only_models_save_with_a_symbolic_batch(tmp_path, bits):
     np.testing.assert_allclose(qf(X), sim(X), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["realize", "simulate"])
 @pytest.mark.parametrize("closed", [True, False])
-def test_layers_in_another_order_at_new_shapes_are_an_error_not_wrong_scales(closed):
+def test_layers_in_another_order_at_new_shapes_are_an_error_not_wrong_scales(closed, mode):
     """Layers are matched by name, and names follow program order: a function whose layer order
     depends on its argument shapes must not run a layer with another's codes and activation
     scale (closed over, it did: relative error 1.0, 98% of one layer's inputs clipped)."""
@@ -637,7 +638,7 @@ def test_layers_in_another_order_at_new_shapes_are_an_error_not_wrong_scales(clo
         return u + v
 
     cal = [(X, 100 * X[::-1])]
-    kw = dict(calibration=cal, progress=False)
+    kw = dict(calibration=cal, progress=False, mode=mode)
     qf = Q(functools.partial(f, w), **kw) if closed else Q(f, w, **kw)
     want = f(w, *cal[0])
     assert np.linalg.norm(qf(*cal[0]) - want) < 0.02 * np.linalg.norm(want)

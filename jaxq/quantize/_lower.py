@@ -731,7 +731,8 @@ class Engine:
         first = self.leaves.get(ref.leaf)
         if first is None:
             known = self.state.leaves.get(ref.leaf)
-            if isinstance(ref.value, QView) and (known is None or known.site != site.name):
+            stale = known is not None and known.site != site.name  # (float params: simulate)
+            if stale or (isinstance(ref.value, QView) and known is None):
                 raise QuantizeError(
                     f"quantize: the program's quantization sites no longer match its state: "
                     f"param {plan.path} reaches {site.name!r}, planned for "
