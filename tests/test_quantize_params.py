@@ -811,3 +811,14 @@ def test_calibration_in_the_wrong_form_says_what_a_batch_is():
         Q(model, P, calibration={"x": X}, progress=False)
     with pytest.raises(QuantizeError, match=r"first calibration batch, called as f\(params, \*b"):
         Q(model, P, calibration=[(P, X)], progress=False)  # (the params in the batch too)
+
+
+def test_integer_inputs_of_a_mixed_dot_run_in_both_modes():
+    """``x @ w`` with int32 ``x`` is a mixed-type dot in the jaxpr: realize quantized the int
+    input's values, and simulate failed inside ("x must have a floating dtype")."""
+    f = lambda p, x: x @ p["w"]
+    w = {"w": P["dense"][0]["kernel"]}
+    xi = np.round(X * 3).astype(np.int32)
+    real = Q(f, w, calibration=BATCHES, progress=False)
+    sim = Q(f, w, calibration=BATCHES, mode="simulate", progress=False)
+    np.testing.assert_allclose(sim(xi), real(xi), rtol=1e-5, atol=1e-5)

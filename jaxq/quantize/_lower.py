@@ -891,6 +891,8 @@ def simulate_handler(state: QState) -> SiteHandler:
         scheme = site.activations
         if scheme is not None:
             a = invals[1 - wi]
+            if not jnp.issubdtype(a.dtype, jnp.inexact):  # (an integer input of a mixed dot:
+                a = a.astype(jnp.float32)  # quantized as its float value, as in realize)
             scale, zp = act if act is not None else act_qparams(a, scheme, site, None)
             new[1 - wi] = fake_quant_act(a, scale, zp, scheme, site)
         y = visit.bind(*new)
