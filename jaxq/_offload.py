@@ -94,6 +94,7 @@ class OffloadedFunction:
         self, qf: QuantizedFunction, backend: str, exact: bool = False, max_unroll: int = 64
     ) -> None:
         self.qf, self.backend, self.exact, self.max_unroll = qf, backend, exact, max_unroll
+        self.params = qf.params  # (as offload was called: every shape runs the same weights)
         self._built: dict[Any, tuple[Program, Callable[..., Any]]] = {}
 
     def _get(self, args: tuple[Any, ...]) -> tuple[Program, Callable[..., Any]]:
@@ -107,7 +108,8 @@ class OffloadedFunction:
             with PassContext(config={"quantize.tuning": TUNING[self.backend]}):
                 # (the integer program for the backend's kernels, without apply's wrapper)
                 fun = qf.specialize(*a).as_fun()
-            bound = fun if qf.params is None else lambda *x: fun(qf.params, *x)
+            params = self.params
+            bound = fun if params is None else lambda *x: fun(params, *x)
             program = trace(bound, *a)
             passes = [
                 unroll_loops(self.max_unroll),  # (a layer stack as layers a region can take)
@@ -126,7 +128,8 @@ class OffloadedFunction:
                 )
             codegen = functools.partial(onnx_codegen, exact=self.exact)
             codegen.__name__ = self.backend  # type: ignore[attr-defined]  # (build's messages)
-            hit = self._built[key] = (parts, build(parts, backends={self.backend: codegen}))
+            run = build(parts, backends={self.backend: codegen}, fallback="xla")
+            hit = self._built[key] = (parts, run)
         return hit
 
     def __call__(self, *args: Any) -> Any:
@@ -180,8 +183,9 @@ def offload(
     partition passes can be run by hand too.
 
     Args:
-      qf: a realized function from :func:`jaxq.quantize` (its params are bound in: the backend
-        gets the weights once, as constants).
+      qf: a realized function from :func:`jaxq.quantize`. Its params, as they are when
+        ``offload`` is called, are bound in (the backend gets the weights once, as constants);
+        after changing ``qf.params``, call ``offload`` again.
       backend: ``"onnxruntime"``, the backend whose integer kernels jaxq checks against XLA
         bit for bit (the host backend's float division rounds apart from XLA's, so quantized
         codes would differ).

@@ -498,6 +498,33 @@ def quantized_mlp(act_name="relu"):
     return f, params, jaxq.quantize(f, params, calibration=batches, progress=False)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_float_inputs_stay_with_xla_where_the_exporter_cannot_take_them(dtype):
+    """The exporter writes float32 constants: 16-bit float equations stay with XLA, warned,
+    and the rest runs offloaded (ONNX Runtime refused the mixed model: "bound to different
+    types (tensor(float) and tensor(bfloat16))")."""
+    f, params, qf = quantized_mlp()
+    x = RNG.normal(size=(4, 24)).astype(dtype)
+    fast = jaxq.offload(qf)
+    with pytest.warns(jaxq.OffloadWarning, match="stay with XLA"):
+        got = np.asarray(fast(x), np.float32)
+    np.testing.assert_allclose(got, np.asarray(qf(x), np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_an_offloaded_function_keeps_the_params_it_was_made_with():
+    """The weights are the backend's constants: every input shape runs the params ``qf`` had
+    when offload was called (a shape built after ``qf.params`` changed ran the new ones)."""
+    f, params, _ = quantized_mlp()
+    cal = [(RNG.normal(size=(8, 24)).astype(np.float32),)]
+    qf = jaxq.quantize(f, params, calibration=cal, progress=False)
+    fast, x = jaxq.offload(qf), RNG.normal(size=(6, 24)).astype(np.float32)
+    before = np.asarray(qf(x))
+    qf.params = qf.quantize_params(jax.tree.map(lambda a: a * 2, params))
+    np.testing.assert_array_equal(np.asarray(fast(x)), before)
+    np.testing.assert_array_equal(np.asarray(fast(x[:3])), before[:3])
+    np.testing.assert_array_equal(np.asarray(jaxq.offload(qf)(x)), np.asarray(qf(x)))
+
+
 def test_a_realized_mlp_runs_in_one_onnx_region_as_xla_computes_it():
     f, params, qf = quantized_mlp()
     fast = jaxq.offload(qf)

@@ -90,6 +90,9 @@ def _limit(e: C.JaxprEqn) -> str | None:
     """Why the exporter cannot take this equation of a primitive it knows (None: it can)."""
     name, p = e.primitive.name, e.params
     dtypes = [np.dtype(shaped_aval(v).dtype) for v in e.invars]
+    outs = [np.dtype(shaped_aval(v).dtype) for v in e.outvars]
+    if any(d.name in ("bfloat16", "float16") for d in (*dtypes, *outs)):
+        return "16-bit float values (the exporter writes float32 and 8-bit integers)"
     if name == "select_n" and len(e.invars) != 3:
         return "select_n with more than two cases"
     if name == "round" and int(p["rounding_method"]) != 1:
