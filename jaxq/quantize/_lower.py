@@ -881,27 +881,43 @@ def raise_cause(e: BaseException) -> None:
         cause = cause.__cause__
 
 
+_WIDE = ("dot_general", "conv_general_dilated")
+"""Layers whose simulated form computes 16-bit float operands in float32 (``preferred_element_type``)."""
+
+
+def _half(v: Any) -> bool:
+    dtype = getattr(v, "dtype", None) or getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and np.dtype(dtype).name in ("bfloat16", "float16")
+
+
 def simulate_handler(state: QState) -> SiteHandler:
     def handle(visit: Visit, site: Site, qw: QWeight | None, invals: list[Any], act: Any) -> Any:
         wi = site.weight_index
         new = list(invals)
+        scheme = site.activations
+        # A 16-bit float layer computes in float32, rounded once at the end, as realize does
+        # (its integer sums are exact): fake-quantized values rounded to bfloat16 are not.
+        narrow = any(_half(v) for v in (*invals, *visit.eqn.outvars))
+        wide = narrow and scheme is not None and site.primitive in _WIDE
         if qw is not None:  # (None: the weight is a quantized param's value already)
             w_fq = fake_quant_weight(invals[wi], qw, site)
-            new[wi] = w_fq.astype(jnp.asarray(invals[wi]).dtype)
-        scheme = site.activations
+            new[wi] = w_fq.astype(jnp.float32 if wide else jnp.asarray(invals[wi]).dtype)
+        elif wide:
+            new[wi] = jnp.asarray(invals[wi]).astype(jnp.float32)
         if scheme is not None:
             a = invals[1 - wi]
-            if not jnp.issubdtype(a.dtype, jnp.inexact):  # (an integer input of a mixed dot:
-                a = a.astype(jnp.float32)  # quantized as its float value, as in realize)
+            if not jnp.issubdtype(a.dtype, jnp.inexact) or wide:  # (an integer input of a
+                a = a.astype(jnp.float32)  # mixed dot: quantized as its float value, as realize)
             scale, zp = act if act is not None else act_qparams(a, scheme, site, None)
             new[1 - wi] = fake_quant_act(a, scale, zp, scheme, site)
-        y = visit.bind(*new)
+        y = visit.bind(*new, preferred_element_type=jnp.float32) if wide else visit.bind(*new)
         out = state.act.get(site.name + ":out")
         if state.config.requantize == "fixed_point" and out is not None and scheme is not None:
             y = fake_quant_act(y, np.float32(out.scale), np.float32(out.zero_point), scheme, site)
         check = scheme is not None and state.config.nan_rows
         bad = nonfinite_rows(visit, site, invals[1 - wi]) if check else None
-        return poison_rows(y, bad)
+        y = poison_rows(y, bad)
+        return y.astype(shaped_aval(visit.eqn.outvars[0]).dtype) if wide else y
 
     return handle
 
