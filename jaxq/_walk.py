@@ -279,13 +279,19 @@ def retrace(
     *,
     scope: str = "rewrite",
     coerce: Callable[[Any], Any] | None = None,
+    done: Callable[[], None] | None = None,
 ) -> C.ClosedJaxpr:
     """Re-trace ``program`` through ``rules`` with a new calling convention: the result takes
     ``in_avals``, and ``make_inputs(flat)`` maps them to the values of the program's inputs (e.g.
-    quantized weights in place of float ones). See :func:`interpret` for ``coerce``."""
+    quantized weights in place of float ones). See :func:`interpret` for ``coerce``; ``done()``
+    runs as the trace ends (to drop the traced values a pass kept)."""
 
     def fun(*flat: Any) -> list[Any]:
-        return interpret(program, rules, *make_inputs(flat), scope=scope, coerce=coerce)
+        try:
+            return interpret(program, rules, *make_inputs(flat), scope=scope, coerce=coerce)
+        finally:
+            if done is not None:
+                done()
 
     return C.trace_flat(fun, list(in_avals))
 

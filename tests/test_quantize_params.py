@@ -842,3 +842,13 @@ def test_16_bit_float_layers_simulate_as_realize_computes_them():
     sim = Q(f, w16, calibration=cal16, mode="simulate", progress=False)
     yr, ys = np.float32(real(xb)), np.float32(sim(xb))
     assert np.abs(yr - ys).max() <= 2**-7 * np.abs(yr).max()
+
+
+def test_tracing_at_new_shapes_keeps_no_tracer_alive():
+    """The lowering's traced values (a QArray's activation scale per layer) are dropped as its
+    trace ends; JAX's trace cache kept them alive, which jax.checking_leaks() reported."""
+    qf, qs = realized(), simulated()
+    with jax.checking_leaks():
+        qf(X[:3])
+        jax.jit(qf.apply)(qf.params, X[:5])
+        jax.jit(jax.grad(lambda p: jnp.sum(qs.apply(p, X[:2]))))(P)

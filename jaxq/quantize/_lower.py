@@ -202,6 +202,10 @@ class Engine:
             return None if s is None else np.float32(1) / np.asarray(s, np.float32)
         return self.state.smooth.get(name)
 
+    def release(self) -> None:
+        """Drop the values traced in this lowering (JAX's trace caches keep the engine alive)."""
+        self.act_inputs, self.smooth_inputs, self.derived = {}, {}, {}
+
     def _note_derived(self, invals: Sequence[Any], out: Any, primitive: str) -> Any:
         """Remember that ``out`` is computed from params and constants alone (``w * 2``,
         ``w + a @ b``): a layer that takes it as its weight then says so instead of "no weight
@@ -820,6 +824,7 @@ def lower(
                 lambda flat: engine.take_inputs(source_inputs(state, in_tree, flat, quantized)),
                 scope="quantize",
                 coerce=engine.coerce,
+                done=engine.release,
             )
             out = source.with_jaxpr(closed, in_tree=in_tree, in_paths=paths)
     except RewriteError as e:
