@@ -852,3 +852,9 @@ def test_tracing_at_new_shapes_keeps_no_tracer_alive():
         qf(X[:3])
         jax.jit(qf.apply)(qf.params, X[:5])
         jax.jit(jax.grad(lambda p: jnp.sum(qs.apply(p, X[:2]))))(P)
+
+
+def test_quantize_params_inside_jit_says_it_runs_on_the_host():
+    qf = realized()
+    with pytest.raises(QuantizeError, match="traced values .* chosen on the host"):
+        jax.jit(qf.quantize_params)(P)  # (JAX's TracerArrayConversionError, before)

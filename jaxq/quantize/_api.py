@@ -232,6 +232,12 @@ class QuantizedFunction:
         spec = self._state.params
         assert spec is not None  # checked above
         flat = self._check_params(params, quantized=False, who="quantize_params")
+        if any(C.is_tracer(x) for x in flat):
+            raise QuantizeError(
+                "quantize_params: the params are traced values (inside jax.jit, grad or vmap): "
+                "the codes are chosen on the host, once. Call it outside the transformation and "
+                "pass the QArrays in: jax.jit(qf.apply)(qf.quantize_params(params), x)"
+            )
         out = list(flat)
         plans = sorted(self._state.leaves.items())
         for i, plan in progress_bar(
