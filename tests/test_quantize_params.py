@@ -858,3 +858,13 @@ def test_quantize_params_inside_jit_says_it_runs_on_the_host():
     qf = realized()
     with pytest.raises(QuantizeError, match="traced values .* chosen on the host"):
         jax.jit(qf.quantize_params)(P)  # (JAX's TracerArrayConversionError, before)
+
+
+def test_a_python_flag_that_cannot_be_traced_says_to_bind_it():
+    def f(p, x, train=False):
+        y = model(p, x)
+        return y * 2 if train else y
+
+    qf = Q(f, P, calibration=BATCHES, progress=False)
+    with pytest.raises(jaxq.TraceError, match=r"Python values such as True too: bind flags"):
+        qf(X, train=True)

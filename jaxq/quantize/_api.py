@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxq import _compat as C
 from jaxq import _serialize, _warnings
-from jaxq._program import Program, leaf_dtype, trace
+from jaxq._program import Program, TraceError, leaf_dtype, trace
 from jaxq._taps import intermediates
 from jaxq._walk import RewriteError, interpret, rewrite
 from jaxq.quantize._annotate import annotate, prepare, with_params
@@ -135,7 +135,17 @@ class QuantizedFunction:
             if spec is not None:
                 avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in spec.avals]
                 a = (jax.tree.unflatten(spec.tree, avals), *a)
-            source = prepare(trace(self._fun, *a, **k))
+            try:
+                source = prepare(trace(self._fun, *a, **k))
+            except TraceError as e:
+                flags = [x for x in leaves if isinstance(x, (bool, str))]
+                if not flags:
+                    raise
+                raise TraceError(
+                    f"{e}\nA quantized function traces every argument, Python values such as "
+                    f"{flags[0]!r} too: bind flags and modes into f before quantizing it, e.g. "
+                    "jaxq.quantize(functools.partial(f, train=False), params, ...)"
+                ) from e
             state = self._state.replace(source=source)
             if spec is not None:
                 state = state.replace(params=param_spec(source, 0))
