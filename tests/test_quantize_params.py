@@ -868,3 +868,15 @@ def test_a_python_flag_that_cannot_be_traced_says_to_bind_it():
     qf = Q(f, P, calibration=BATCHES, progress=False)
     with pytest.raises(jaxq.TraceError, match=r"Python values such as True too: bind flags"):
         qf(X, train=True)
+
+
+def test_a_qarray_whose_scales_were_cast_is_named():
+    """A tree.map that casts every float leaf also casts the QArrays' scales: named by path
+    (the error said to trace a Program again)."""
+    qf = realized()
+    isq = lambda a: isinstance(a, QArray)
+    cast = lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    p16 = jax.tree.map(lambda a: jax.tree.map(cast, a) if isq(a) else a, qf.params, is_leaf=isq)
+    for run in (qf.apply, jax.jit(qf.apply)):
+        with pytest.raises(QuantizeError, match=r"params\['dense'\]\[0\]\['kernel'\] is a QArray "):
+            run(p16, X)

@@ -58,6 +58,16 @@ from jaxq.transform import Sequential
 MODES = ("realize", "simulate")
 
 
+_QARRAY_DTYPES = {
+    "scale": "float32",
+    "zero_point": "int32",
+    "sums": "int32",
+    "act_scale": "float32",
+    "act_zero_point": "int32",
+}
+"""The dtypes of a QArray's arrays besides its codes (what realize computes with)."""
+
+
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x))
 
@@ -214,6 +224,17 @@ class QuantizedFunction:
                         f"{who}: {path} is a QArray of shape {x.shape} ({x.bits} bits); expected "
                         f"shape {plan.shape} ({plan.scheme.bits} bits). Quantize these params with "
                         "qf.quantize_params(float_params)."
+                    )
+                wrong = [
+                    f"{k} is {np.dtype(leaf_dtype(v)).name}, not {want}"
+                    for k, want in _QARRAY_DTYPES.items()
+                    if (v := getattr(x, k)) is not None and np.dtype(leaf_dtype(v)).name != want
+                ]
+                if wrong:
+                    raise QuantizeError(
+                        f"{who}: {path} is a QArray whose {'; '.join(wrong)}: its arrays keep "
+                        "their dtypes (a tree.map that casts float leaves changes its scales). "
+                        "Cast before quantizing, or pass qf.params as they are."
                     )
                 continue
             if isinstance(x, QArray):
