@@ -39,6 +39,7 @@ from jaxq.partition import (
 )
 from jaxq.partition._onnx import onnx_codegen, unsupported_onnx_equation
 from jaxq.quantize import QuantizedFunction, Tuning
+from jaxq.quantize._api import _no_derivative as no_derivative
 from jaxq.quantize._api import _spec as arg_spec
 from jaxq.transform import PassContext, Sequential, fold_constants, unroll_loops
 
@@ -133,7 +134,8 @@ class OffloadedFunction:
         return hit
 
     def __call__(self, *args: Any) -> Any:
-        return self._get(args)[1](*args)
+        # (integer code has no derivative: jax.grad says so, not the FFI call's missing rule)
+        return no_derivative(self._get(args)[1])(*args)
 
     def program(self, *args: Any) -> Program:
         """The partitioned Program for inputs shaped like ``args``."""

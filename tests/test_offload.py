@@ -511,6 +511,14 @@ def test_16_bit_float_inputs_stay_with_xla_where_the_exporter_cannot_take_them(d
     np.testing.assert_allclose(got, np.asarray(qf(x), np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_the_gradient_of_an_offloaded_function_says_integer_code_has_none():
+    f, params, qf = quantized_mlp()
+    fast, x = jaxq.offload(qf), RNG.normal(size=(3, 24)).astype(np.float32)
+    with pytest.raises(jaxq.quantize.QuantizeError, match="integer code has no derivative"):
+        jax.grad(lambda x: jnp.sum(fast(x)))(x)  # (JAX's error about the FFI call, before)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(fast))(x[:, None])[:, 0]), qf(x))
+
+
 def test_an_offloaded_function_keeps_the_params_it_was_made_with():
     """The weights are the backend's constants: every input shape runs the params ``qf`` had
     when offload was called (a shape built after ``qf.params`` changed ran the new ones)."""
