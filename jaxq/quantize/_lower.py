@@ -62,6 +62,8 @@ from jaxq.quantize._params import (
     float_leaf,
     leaf_axis,
     to_float,
+    to_leaf,
+    to_site,
 )
 from jaxq.quantize._qarray import QArray, is_qarray
 from jaxq.quantize._sites import (
@@ -261,19 +263,11 @@ class Engine:
         reads it once deployed: the dequantized codes (a tied weight; realize has only the
         QArray), so QAT trains the function realize runs."""
         w = jnp.asarray(ref.value)
-        undo = lambda w, chain: functools.reduce(
-            lambda w, c: jnp.transpose(w, tuple(np.argsort(c[1]))) if c[0] == "transpose" else w,
-            reversed(chain),
-            w,
-        )
-        redo = lambda w, chain: functools.reduce(
-            lambda w, c: jnp.transpose(w, c[1]) if c[0] == "transpose" else w, chain, w
-        )
         site = self.sites.get(plan.site) or self.state.sites[plan.site]
-        w_site = redo(undo(w, ref.chain), plan.chain)
+        w_site = to_site(to_leaf(w, ref.chain), plan.chain)
         qw = traced_qweight(w_site, site, self.state.config.weight_calibration)
         fq = fake_quant_weight(w_site, qw, site)
-        return redo(undo(fq, plan.chain), ref.chain).astype(w.dtype)
+        return to_site(to_leaf(fq, plan.chain), ref.chain).astype(w.dtype)
 
     def plain(self, v: Any) -> Any:
         """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""

@@ -137,17 +137,17 @@ def leaf_axis(chain: Sequence[tuple[str, Any]], axis: int) -> int:
     return axis
 
 
-def to_site(w: np.ndarray, chain: Sequence[tuple[str, Any]]) -> np.ndarray:
-    """A leaf's host value in the orientation (and dtype) its layer sees."""
+def to_site(w: Any, chain: Sequence[tuple[str, Any]]) -> Any:
+    """A leaf's value (on the host, or traced) in the orientation and dtype its layer sees."""
     for prim, key in chain:
         if prim == "transpose":
             w = np.transpose(w, key)
         elif prim == "convert_element_type":
-            w = np.asarray(w).astype(key)
+            w = w.astype(key)
     return w
 
 
-def to_leaf(v: np.ndarray, chain: Sequence[tuple[str, Any]]) -> np.ndarray:
+def to_leaf(v: Any, chain: Sequence[tuple[str, Any]]) -> Any:
     """Inverse of :func:`to_site` for the layout (a site-oriented array back to the leaf's)."""
     for prim, key in reversed(chain):
         if prim == "transpose" and np.ndim(v) == len(key):  # (a per-tensor scale: as it is)
