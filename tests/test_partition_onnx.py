@@ -116,3 +116,25 @@ def test_ffi_crossing_names_what_onnxruntime_rejects():
         pytest.skip("the FFI crossing does not build here (no C++ compiler?)")
     with pytest.raises(RuntimeError, match="ONNX Runtime could not open the model: .*"):
         _ort_ffi.Session(lib, "r", b"not an onnx model", ["in0"], ["out0"])
+
+
+def test_attention_products_export_as_batched_matmuls():
+    """``Q K^T`` and ``P V`` with leading batch axes (batch, head) become one MatMul each on the
+    4-D operands, with no reshapes (ONNX Runtime then fuses the key's transpose and the scale)."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)).astype(np.float32) for _ in range(3))
+
+    def attention(q, k, v):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 2.0
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    P.register_op_support("A", "reduce_max")
+    P.register_op_support("A", "stop_gradient")
+    prog = Sequential([P.annotate_target(["A"]), P.merge_compiler_regions(), P.partition_graph()])(
+        jaxq.trace(attention, q, k, v)
+    )
+    (region,) = P.regions(prog)
+    ops = [n.op_type for n in P.export_onnx(region.program()).graph.node]
+    assert ops.count("MatMul") == 2 and "Reshape" not in ops, ops
+    fn = P.build(prog, backends={"A": "onnxruntime"})
+    np.testing.assert_allclose(fn(q, k, v), attention(q, k, v), rtol=1e-5, atol=1e-6)

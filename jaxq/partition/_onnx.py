@@ -1533,16 +1533,24 @@ class _Exporter:
         x, zp = self.shifted_u8(ins[0], xa.dtype) if integer else (ins[0], None)
         # ([..., k] x [k, n], as a dense layer reads its input: MatMul broadcasts, no reshapes)
         flat = not bx and tuple(cx) == (xa.ndim - 1,) and len(fy) == 1 and xa.ndim > 2
-        if not flat:
-            x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
-        y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
+        # ([batch..., m, k] x [batch..., k, n], as attention's einsums read: MatMul batches over
+        # leading axes, and ONNX Runtime fuses a transpose of the last two into the product)
+        leading = lambda dims: list(dims) == list(range(len(dims)))
+        batched = bool(bx) and leading(bx) and leading(by) and len(fx) == len(cx) == len(fy) == 1
+        if batched:
+            x = self.transpose(x, [*bx, *fx, *cx])
+            y = self.transpose(ins[1], [*by, *cy, *fy])
+        else:
+            if not flat:
+                x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
+            y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
         if integer:
             zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
             out = self.node("MatMulInteger", [x, y, *zps])
         else:
             out = self.node("MatMul", [x, y])
         out_aval = shaped_aval(e.outvars[0])
-        if not flat:
+        if not (flat or batched):
             out = self.node("Reshape", [out[0], self.const(list(out_aval.shape), np.int64)])
         computed = np.dtype(np.int32) if integer else np.dtype(xa.dtype)
         if np.dtype(out_aval.dtype) != computed:
