@@ -144,3 +144,16 @@ def test_unsigned_symmetric_activations_that_go_negative_warn():
         Q(f, w, calibration=[(x,)], config=cfg, progress=False)
     assert not any("second" in str(r.message) for r in rec)
     assert rec[0].filename == __file__  # (the user's line)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("p", [50.0, 90.0, 99.0])
+def test_percentile_keeps_that_share_of_the_values(symmetric, p):
+    """``percentile=p`` keeps p% of the calibration values (asymmetric: (100 - p) / 2 % cut from
+    each tail), within a histogram bin's width."""
+    data = RNG.normal(size=40000).astype(np.float32)
+    lo, hi = observe([data]).value_range("percentile", Scheme(symmetric=symmetric), p)
+    kept = 100 * np.mean((data >= lo) & (data <= hi))
+    assert abs(kept - p) < 1.0, (lo, hi, kept)
+    if not symmetric:  # the two tails lose alike
+        assert abs(np.mean(data < lo) - np.mean(data > hi)) < 0.01

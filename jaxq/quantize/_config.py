@@ -235,7 +235,9 @@ class QConfig:
       weights: scheme for weights (arrays the function closes over, or ``weight_argnums``).
       activations: scheme for activations; None quantizes weights only.
       calibration: ``"minmax"``, ``"percentile"``, ``"entropy"`` (KL, TensorRT style) or ``"mse"``.
-      percentile: for ``calibration="percentile"``, the share of values kept, in (0, 100].
+      percentile: for ``calibration="percentile"``, the share of values kept, in (0, 100]: the
+        smallest magnitudes (symmetric schemes), or the middle of the range with the rest cut
+        evenly from both tails (asymmetric).
       requantize: ``"float"`` (int32 accumulator times a float scale) or ``"fixed_point"``
         (integer-only multiplier and rounding shift to an int8 output, gemmlowp style).
       rules: per-layer ``Rule`` overrides, first match wins.

@@ -128,6 +128,8 @@ class Observer:
         return hist[half:] + hist[:half][::-1]
 
     def _percentile(self, scheme: Scheme, p: float) -> tuple[float, float]:
+        """The range holding ``p`` percent of the values: the smallest magnitudes (symmetric),
+        or the middle with ``(100 - p) / 2`` percent cut from each tail (asymmetric)."""
         q = p / 100.0
         if scheme.symmetric:
             ah = self._abs_hist()
@@ -138,8 +140,8 @@ class Observer:
         hist = self._hist()
         cdf = np.cumsum(hist) / hist.sum()
         edges = self._edges()
-        i_lo = int(np.searchsorted(cdf, 1 - q))
-        i_hi = int(np.searchsorted(cdf, q))
+        i_lo = int(np.searchsorted(cdf, (1 - q) / 2))
+        i_hi = int(np.searchsorted(cdf, (1 + q) / 2))
         return float(edges[i_lo]), float(edges[min(i_hi + 1, NBINS)])
 
     def _entropy(self, scheme: Scheme) -> float:
