@@ -278,7 +278,8 @@ def qwix_methods(
 
 
 def latencies(methods: list[Method], x: np.ndarray, reps: int, rounds: int) -> dict[str, float]:
-    """Median milliseconds per call, methods interleaved over ``rounds`` rounds."""
+    """Median milliseconds per call, methods interleaved over ``rounds`` rounds (each round in a
+    fresh random order: the method called first in a fixed order ran slower)."""
     calls: dict[str, Callable[[], Any]] = {}
     for m in methods:
         apply, weights = m.bind(x)
@@ -286,8 +287,10 @@ def latencies(methods: list[Method], x: np.ndarray, reps: int, rounds: int) -> d
         for _ in range(3):
             jax.block_until_ready(calls[m.name]())
     samples: dict[str, list[float]] = {k: [] for k in calls}
+    order = np.random.default_rng(0)
     for _ in range(rounds):
-        for k, call in calls.items():
+        for i in order.permutation(len(methods)):
+            k, call = methods[i].name, calls[methods[i].name]
             for _ in range(max(1, reps // rounds)):
                 t0 = time.perf_counter()
                 jax.block_until_ready(call())
