@@ -387,6 +387,16 @@ def test_fixed_point_matches_numpy_reference():
     np.testing.assert_array_equal(np.asarray(qf(X)), want)
     sim = Q(layer, calibration=[(X,)], config=cfg, mode="simulate", progress=False)
     assert np.abs(np.asarray(sim(X)) - want).max() <= out.scale * 1.01
+    # the multipliers are host numbers: with the weight a param, both modes refuse up front
+    # (simulate mode used to accept it, and realize failed only after training)
+    for mode in ("simulate", "realize"):
+        with pytest.raises(QuantizeError, match=r"fixed_point.*'L/dot_general'.*is a param"):
+            Q(layer_of, W1, calibration=[(X,)], config=cfg, mode=mode)
+
+
+def layer_of(w, v):
+    with jax.named_scope("L"):
+        return v @ w
 
 
 # ---- the passes alone ------------------------------------------------------------------------------

@@ -84,6 +84,14 @@ def annotate_program(
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,
     )
+    if config.requantize == "fixed_point" and state.site_leaves:
+        raise QuantizeError(
+            "quantize: requantize='fixed_point' computes each layer's integer multipliers on the "
+            f"host from its weight scales, but the weight of {next(iter(state.site_leaves))!r} "
+            f"(and {len(state.site_leaves) - 1} more) is a param (an input). Quantize with the "
+            "weights closed over (jaxq.quantize(functools.partial(f, params), ...)), or use "
+            "requantize='float'."
+        )
     missing = unmatched_rules(config, state.matched_rules)
     if warn and missing:
         warnings.warn(

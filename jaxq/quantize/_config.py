@@ -239,7 +239,8 @@ class QConfig:
         smallest magnitudes (symmetric schemes), or the middle of the range with the rest cut
         evenly from both tails (asymmetric).
       requantize: ``"float"`` (int32 accumulator times a float scale) or ``"fixed_point"``
-        (integer-only multiplier and rounding shift to an int8 output, gemmlowp style).
+        (integer-only multiplier and rounding shift to an int8 output, gemmlowp style; the
+        multipliers are computed on the host, so the weights must be closed over, not params).
       rules: per-layer ``Rule`` overrides, first match wins.
       dynamic: compute activation scales at run time (per tensor, or per token where asked).
         One layer can be dynamic per token in a static config: a rule with
