@@ -163,3 +163,22 @@ def test_a_rule_with_bits_only_quantizes_per_channel_end_to_end():
     qf = jaxq.quantize(f, calibration=[(x,)], config=config, progress=False)
     (layer,) = qf.report().layers
     assert (layer.weights, layer.rule) == ("int4 sym channel narrow", 0)
+
+
+def test_a_scheme_prints_the_fields_it_was_given():
+    """So a Rule printed (the unmatched-rules warning shows them) and rebuilt means the same."""
+    assert repr(Scheme(bits=4)) == "Scheme(bits=4)"
+    assert repr(Scheme(bits=4, granularity="tensor")) == "Scheme(bits=4, granularity='tensor')"
+    assert repr(Scheme()) == "Scheme()"
+    for written in (Scheme(bits=4), Scheme(bits=4, granularity="tensor")):
+        (rule,) = QConfig(rules=[Rule(pattern="x", weights=written)]).rules
+        again = eval(repr(rule), {"Rule": Rule, "Scheme": Scheme})
+        assert QConfig(rules=[again]).rules[0].weights.short() == rule.weights.short()
+    (a,), (b,) = (
+        QConfig(rules=[Rule(weights=w)]).rules
+        for w in (Scheme(bits=4), Scheme(bits=4, granularity="tensor"))
+    )
+    assert (a.weights.short(), b.weights.short()) == (
+        "int4 sym channel narrow",
+        "int4 sym tensor narrow",
+    )

@@ -38,7 +38,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class Scheme:
     """How one tensor is quantized.
 
@@ -49,7 +49,8 @@ class Scheme:
       symmetric: zero point fixed at 0 (otherwise chosen by calibration).
       granularity: one scale per ``"tensor"``, per output ``"channel"`` (weights), per ``"group"``
         of ``group_size`` consecutive contraction elements and output channel (weights), or per
-        ``"token"`` (activations, computed at run time: needs ``QConfig(dynamic=True)``).
+        ``"token"`` (activations, computed at run time: under ``QConfig(dynamic=True)``, or in
+        a Rule for the layers it matches).
       group_size: with ``granularity="group"``, how many consecutive elements along the
         contracted axis share a scale (it must divide that axis); None for the other
         granularities.
@@ -73,7 +74,14 @@ class Scheme:
     _given: frozenset[str] = dataclasses.field(
         default=frozenset(), init=False, repr=False, compare=False
     )
-    """The fields the caller set; the others are inherited inside a Rule."""
+    """The fields the caller set; the others are inherited inside a Rule. Equality compares the
+    values; the repr shows the fields as they were written, since ``Scheme(bits=4)`` and
+    ``Scheme(bits=4, granularity="tensor")`` are one scheme alone but two in a Rule under a
+    per-channel config (a Rule printed and rebuilt keeps its meaning)."""
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{f}={getattr(self, f)!r}" for f in _SCHEME_DEFAULTS if f in self._given)
+        return f"Scheme({given})"
 
     def __post_init__(self) -> None:
         given = frozenset(f for f in _SCHEME_DEFAULTS if getattr(self, f) is not _UNSET)
