@@ -138,3 +138,27 @@ def test_attention_products_export_as_batched_matmuls():
     assert ops.count("MatMul") == 2 and "Reshape" not in ops, ops
     fn = P.build(prog, backends={"A": "onnxruntime"})
     np.testing.assert_allclose(fn(q, k, v), attention(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda a: (jnp.ones((3, 4)) * a[:, None]).sum(1),
+        lambda a: (jnp.broadcast_to(a[:, None], (3, 4)) + jnp.ones((3, 4))).sum(1),
+        lambda a: jnp.broadcast_to(a[:, None], (3, 4)) * 2,
+    ],
+    ids=["ones_times_column", "broadcast_plus_ones", "broadcast_times_literal"],
+)
+def test_an_op_whose_operands_are_all_broadcasts_gets_its_full_shape(f):
+    """A broadcast is left to the op that reads it (ONNX's elementwise ops broadcast), except
+    where every operand would be left so: ``ones((3, 4)) * a[:, None]`` computed a [3, 1]
+    product, summed to ``a`` instead of ``4 a``."""
+    a = np.arange(1, 4, dtype=np.float32)
+    P.register_backend_support("ort", "onnxruntime")
+    try:
+        passes = [P.annotate_target(["ort"]), P.merge_compiler_regions(), P.partition_graph()]
+        prog = Sequential(passes)(jaxq.trace(f, a))
+        got = jaxq.build(prog, backends={"ort": "onnxruntime"})(a)
+    finally:
+        P.unregister_compiler("ort")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(a)))

@@ -174,7 +174,15 @@ def _broadcast_only(jaxpr: C.Jaxpr) -> set[Any]:
                 same_rank = len(shaped_aval(v).shape) == rank
                 users.setdefault(v, set()).add(e.primitive.name if same_rank else "")
     outs = {v for v in jaxpr.outvars if not C.is_literal(v)}
-    return {v for v, us in users.items() if us <= _BROADCASTING and v not in outs}
+    skip = {v for v, us in users.items() if us <= _BROADCASTING and v not in outs}
+    # an op whose operands would all be left unexpanded would compute a smaller result: keep one
+    # operand of the output's shape expanded there (one pass suffices: keeping only adds shapes)
+    for e in jaxpr.eqns:
+        shape = shaped_aval(e.outvars[0]).shape
+        full = [v for v in e.invars if not C.is_literal(v) and shaped_aval(v).shape == shape]
+        if full and all(v in skip for v in full):
+            skip.discard(full[0])
+    return skip
 
 
 class _NoMatch(Exception):
