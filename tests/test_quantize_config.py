@@ -112,6 +112,10 @@ def test_qconfig_types():
     with pytest.raises(TypeError, match="weights must be a Scheme"):
         QConfig(weights=None)
     assert QConfig(rules=[Rule()]).rules == (Rule(),)  # lists become tuples (hashable config)
+    skip = Rule(pattern="Dense_1", skip=True)
+    assert QConfig(rules=(r for r in [skip])).rules == (skip,)  # a generator, read once
+    with pytest.raises(TypeError, match="rules must be a sequence of Rule"):
+        QConfig(rules="Dense_1")
     hash(QConfig(rules=[Rule(primitives={"dot_general"})]))
 
 

@@ -323,11 +323,13 @@ class QConfig:
             raise ValueError(
                 f"QConfig: requantize must be one of {REQUANTIZE}; got {self.requantize!r}"
             )
-        if isinstance(self.rules, Rule) or not all(
-            isinstance(r, Rule) for r in (self.rules if hasattr(self.rules, "__iter__") else [1])
-        ):
-            raise TypeError(f"QConfig: rules must be a sequence of Rule; got {self.rules!r}")
-        rules = tuple(self._inherit(i, r) for i, r in enumerate(self.rules))
+        given = self.rules
+        if isinstance(given, (Rule, str)) or not hasattr(given, "__iter__"):
+            raise TypeError(f"QConfig: rules must be a sequence of Rule; got {given!r}")
+        given = tuple(given)  # (read once: a generator would be empty the second time)
+        if not all(isinstance(r, Rule) for r in given):
+            raise TypeError(f"QConfig: rules must be a sequence of Rule; got {given!r}")
+        rules = tuple(self._inherit(i, r) for i, r in enumerate(given))
         object.__setattr__(self, "rules", rules)
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"QConfig: dynamic must be a bool; got {self.dynamic!r}")
