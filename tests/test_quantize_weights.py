@@ -211,3 +211,24 @@ def test_unsigned_symmetric_weights_realize_like_simulate(activations, closed):
     negative = {"w": params["w"] - 0.5}
     with pytest.warns(UserWarning, match="holds negative values, which an unsigned"):
         jaxq.quantize(f, negative, **kw)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_weight_too_small_for_a_normal_scale_keeps_its_codes(symmetric):
+    """max|w| / 127 below float32's least normal number flushed to 0 on XLA:CPU, and the scale
+    became 1.0: every code 0, the layer's output 0, silently. It takes the least normal scale."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 8)).astype(np.float32)
+    p = {
+        "w1": rng.normal(size=(8, 16)).astype(np.float32),
+        "w2": (rng.normal(size=(16, 4)) * 1e-37).astype(np.float32),
+    }
+    f = lambda p, x: (x @ p["w1"] * 1e37) @ p["w2"]
+    cfg = QConfig(weights=Scheme(granularity="channel", symmetric=symmetric))
+    qf = jaxq.quantize(f, p, calibration=[(x,)], config=cfg, progress=False)
+    assert np.count_nonzero(np.asarray(qf.params["w2"].codes)) > 50
+    want = np.asarray(f(p, x))
+    got = np.asarray(qf(x))
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    closed = jaxq.quantize(functools.partial(f, p), calibration=[(x,)], config=cfg, progress=False)
+    np.testing.assert_array_equal(np.asarray(closed(x)), got)

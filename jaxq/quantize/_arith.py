@@ -44,7 +44,10 @@ def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.A
             scale = hi / jnp.float32(qmax)
     else:
         scale = (hi - lo) / jnp.float32(qmax - qmin)
-    scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.float32(1.0))
+    # (a range so small that its scale is subnormal, which XLA:CPU flushes to 0, takes the least
+    # normal scale: its codes are coarser, not all 0; an empty range or a non-finite one takes 1)
+    live = (hi > lo) & jnp.isfinite(scale)
+    scale = jnp.where(live, jnp.maximum(scale, jnp.float32(np.finfo(np.float32).tiny)), 1.0)
     if scheme.symmetric:
         zp = jnp.zeros_like(scale)
     else:
