@@ -622,6 +622,25 @@ def test_weight_only_models_save_with_a_symbolic_batch(tmp_path, bits):
     np.testing.assert_allclose(qf(X), sim(X), rtol=1e-4, atol=1e-5)
 
 
+def test_arrays_made_at_the_batch_size_export_with_a_symbolic_batch(tmp_path):
+    """``jnp.zeros((x.shape[0], d))`` (an empty cache or state; Equinox's LayerNorm under vmap
+    makes one too) has no array input, so realize evaluated it on the host as a constant, which
+    a symbolic batch cannot be: export failed and save fell back to the traced batch."""
+    from jax import export
+
+    def f(p, x):
+        return model(p, x + jnp.zeros((x.shape[0], x.shape[1]), x.dtype))
+
+    qf = Q(f, P, calibration=BATCHES, progress=False)
+    (b,) = export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, X.shape[1]), X.dtype)
+    assert str(export.export(jax.jit(qf.apply))(qf.params, spec).in_avals[-1]) == "float32[b,12]"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = jaxq.load(qf.save(tmp_path / "z.jaxq"))
+    np.testing.assert_allclose(loaded(X[:3]), qf(X[:3]), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["realize", "simulate"])
 @pytest.mark.parametrize("closed", [True, False])
 def test_layers_in_another_order_at_new_shapes_are_an_error_not_wrong_scales(closed, mode):

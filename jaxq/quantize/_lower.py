@@ -328,7 +328,10 @@ class Engine:
             out = visit.bind(*invals)
             self.derived[id(out)] = (out, origin)
             return out
-        if invals and all(is_concrete(v) for v in invals):
+        # (folded on the host where the inputs are known, unless a shape is symbolic: a
+        # jnp.zeros((x.shape[0], d)) under jax.export with a symbolic batch is not a constant)
+        fixed = all(isinstance(d, int) for o in visit.eqn.outvars for d in shaped_aval(o).shape)
+        if invals and fixed and all(is_concrete(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
         return visit.bind(*invals)
