@@ -899,3 +899,23 @@ def test_a_qarray_whose_scales_were_cast_is_named():
     for run in (qf.apply, jax.jit(qf.apply)):
         with pytest.raises(QuantizeError, match=r"params\['dense'\]\[0\]\['kernel'\] is a QArray "):
             run(p16, X)
+
+
+def test_a_float_layer_reading_a_quantized_param_is_named():
+    """A Rule keeps layer A float, but A shares its param with layer B, which is quantized: the
+    params hold only B's codes, so A computes with them dequantized. The report said "skipped"
+    and nothing more (A was 0.5% off float); now the status and a warning say so."""
+    w = (RNG.normal(size=(12, 12)) / 4).astype(np.float32)
+
+    def f(p, x):
+        with jax.named_scope("A"):
+            a = x @ p["w"]
+        with jax.named_scope("B"):
+            return a, jnp.tanh(a) @ p["w"]
+
+    cfg = QConfig(rules=(Rule(pattern="^A/", skip=True),))
+    with pytest.warns(UserWarning, match=r"A/dot_general: \['w'\] \(quantized for 'B/dot_general'"):
+        qf = Q(f, {"w": w}, calibration=BATCHES, config=cfg, progress=False)
+    (a,) = [r for r in qf.report().layers if r.name == "A/dot_general"]
+    assert a.rule == 0 and "reads the dequantized ['w']" in a.status
+    np.testing.assert_array_equal(qf(X)[0], X @ qf.params["w"].dequantize())

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
+from jaxq import _warnings
 from jaxq._program import Program
 from jaxq._walk import rewrite
 from jaxq.quantize._config import QConfig
@@ -84,6 +85,30 @@ def annotate_program(
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,
     )
+    # a layer a Rule keeps float that reads a param another layer quantizes: the params hold
+    # only that leaf's codes, so it computes with them dequantized, not with the float weight
+    shared = {
+        name: f"{state.params.paths[leaf]} (quantized for {state.leaves[leaf].site!r})"
+        for name, leaves in engine.float_reads.items()
+        if state.skipped.get(name, "").startswith("skipped by rules") and state.params is not None
+        for leaf in leaves
+        if leaf in state.leaves
+    }
+    if shared:
+        skipped = {
+            k: f"{v}; reads the dequantized {shared[k]}" if k in shared else v
+            for k, v in state.skipped.items()
+        }
+        state = state.replace(skipped=skipped)
+        if warn:
+            _warnings.warn(
+                "jaxq.quantize: these layers stay float but read a param that another layer "
+                "quantizes, so they compute with its dequantized codes:\n  "
+                + "\n  ".join(f"{k}: {v}" for k, v in shared.items())
+                + "\nTo keep them exact, leave the other layer float too (a Rule with skip=True)"
+                ", or give the layers separate params.",
+                UserWarning,
+            )
     if config.requantize == "fixed_point" and state.site_leaves:
         raise QuantizeError(
             "quantize: requantize='fixed_point' computes each layer's integer multipliers on the "

@@ -158,6 +158,7 @@ class Engine:
         self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
         self.smooth_inputs: dict[str, Any] = {}  # site -> the iteration's smoothing factors
         self.float_leaves: set[int] = set()  # param leaves some equation reads as floats
+        self.float_reads: dict[str, list[int]] = {}  # a layer left float -> the leaves it reads
         # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
         # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
         self.derived: dict[int, tuple[Any, tuple[int, str]]] = {}
@@ -605,6 +606,8 @@ class Engine:
             )
             return self._note_derived(raw, out, visit.primitive)
 
+        if refs:  # (if it stays float: the leaves it reads, named if another layer quantizes them)
+            self.float_reads[name] = refs
         if weights is None:
             if visit.primitive not in OPT_IN or rule is not None:
                 self.skipped[name] = (

@@ -334,7 +334,7 @@ def make_report(
         if site is None:
             if e.name in state.skipped:
                 why = state.skipped[e.name]
-                by = re.fullmatch(r"skipped by rules\[(\d+)\]", why)
+                by = re.match(r"skipped by rules\[(\d+)\]", why)
                 rows.append(
                     LayerReport(
                         e.name,
