@@ -486,6 +486,12 @@ def test_nan_in_calibration_names_the_layer():
         match=r"NaN or Inf in the input of layer 'MLP/Dense_0/dot_general' \(calibration batch 1\)",
     ):
         Q(mlp, calibration=[(X,), (bad,)], progress=False)
+    # a NaN in a param reaches the next layer's input: the param is named, not the data
+    w = {"w1": (RNG.normal(size=(8, 16))).astype(np.float32), "w2": np.ones((16, 4), np.float32)}
+    w["w1"][2, 3] = np.nan
+    f = lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    with pytest.raises(QuantizeError, match=r"from the params: \['w1'\] holds NaN or Inf"):
+        Q(f, w, calibration=[(X[:, :8],)], progress=False)
 
 
 def test_constant_input_gets_a_valid_scale():

@@ -233,12 +233,24 @@ def _layer_arrays(
     return rest, {k: functools.reduce(functools.partial(pool, k), vs) for k, vs in arrays.items()}
 
 
-def _check_finite(name: str, v: np.ndarray, batch: int) -> None:
-    if not np.all(np.isfinite(v)):
-        raise QuantizeError(
-            f"calibrate: NaN or Inf in the input of layer {name!r} (calibration batch {batch}); "
-            "clean the calibration data"
+def _nonfinite(what: str, state: QState, flat: list[Any], batch: int) -> QuantizeError:
+    """The error for NaN or Inf in ``what`` (a layer's input or output): blamed on the params
+    that hold NaN or Inf where some do, else on the calibration batch."""
+    spec = state.params
+    bad = [] if spec is None else [
+        path
+        for path, v in zip(spec.paths, flat[spec.start : spec.start + spec.count], strict=True)
+        if jnp.issubdtype(jnp.result_type(v), jnp.inexact) and not bool(jnp.all(jnp.isfinite(v)))
+    ]  # fmt: skip
+    if bad:
+        return QuantizeError(
+            f"calibrate: NaN or Inf in {what}, from the params: {', '.join(bad[:5])} "
+            f"{'hold' if len(bad) > 1 else 'holds'} NaN or Inf; fix the params (the "
+            "calibration data is not the cause)"
         )
+    return QuantizeError(
+        f"calibrate: NaN or Inf in {what} (calibration batch {batch}); clean the calibration data"
+    )
 
 
 def _observe(
@@ -299,16 +311,14 @@ def _observe(
         stats, new = _layer_arrays(jax.device_get(stats), layers)
         stats = _by_observer(stats, observers)
         for k, v in new.items():
-            if not k.endswith(":weight"):
-                _check_finite(k.rsplit(":", 1)[0], v, n - 1)
+            if not k.endswith(":weight") and not np.all(np.isfinite(v)):
+                raise _nonfinite(f"the input of layer {k.rsplit(':', 1)[0]!r}", state, flat, n - 1)
             arrays[k] = pool(k, arrays[k], v) if k in arrays else v
         for k, s in stats.items():
             if int(s["nonfinite"]):
-                raise QuantizeError(
-                    f"calibrate: NaN or Inf in the {'output' if k.endswith(':out') else 'input'} "
-                    f"of layer {k.removesuffix(':out')!r} (calibration batch {n - 1}); clean the "
-                    "calibration data"
-                )
+                side = "output" if k.endswith(":out") else "input"
+                what = f"the {side} of layer {k.removesuffix(':out')!r}"
+                raise _nonfinite(what, state, flat, n - 1)
         if histogram:
             grown = False
             for k, s in stats.items():
