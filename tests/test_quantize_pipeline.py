@@ -494,6 +494,12 @@ def test_nan_in_calibration_names_the_layer():
         Q(f, w, calibration=[(X[:, :8],)], progress=False)
 
 
+def test_an_empty_calibration_batch_adds_nothing():
+    """A batch of 0 rows (the tail of a split) crashed calibration inside a reduction."""
+    with_empty = Q(mlp, calibration=[(X,), (X[:0],)], progress=False)
+    np.testing.assert_array_equal(with_empty(X), Q(mlp, calibration=[(X,)], progress=False)(X))
+
+
 def test_constant_input_gets_a_valid_scale():
     z = np.zeros_like(X)
     with pytest.warns(UserWarning, match=r"layer 'MLP/Dense_0/dot_general' was 0 everywhere"):

@@ -26,8 +26,8 @@ def batch_stats(x: jax.Array, radius: jax.Array | None) -> dict[str, jax.Array]:
     xf = x.astype(jnp.float32)
     finite = jnp.isfinite(xf)
     out = {
-        "min": jnp.min(jnp.where(finite, xf, jnp.inf)),
-        "max": jnp.max(jnp.where(finite, xf, -jnp.inf)),
+        "min": jnp.min(jnp.where(finite, xf, jnp.inf), initial=jnp.inf),  # (a 0-row batch:
+        "max": jnp.max(jnp.where(finite, xf, -jnp.inf), initial=-jnp.inf),  # nothing seen)
         "nonfinite": jnp.sum(~finite, dtype=jnp.int32),
     }
     if radius is not None:
