@@ -203,6 +203,21 @@ class LoadedProgram:
                 + "\n".join(wrong)
                 + "\nCast them (x.astype(...)), or save the model again for these dtypes."
             )
+        empty = [
+            f"  {p}: saved for {w.str_short()}, got {list(np.shape(x))}"
+            for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
+            if not bad
+            and any(
+                n == 0 and not isinstance(d, (int, np.integer))
+                for n, d in zip(np.shape(x), w.shape, strict=True)
+            )
+        ]
+        if empty:
+            raise ValueError(
+                f"{self.name}: a saved program's symbolic dimensions take sizes of 1 or more "
+                "(jax.export's rule), and got 0:\n" + "\n".join(empty) + "\nSkip the call "
+                "for an empty batch."
+            )
         if bad:
             why = self.manifest.get("fixed")
             raise TypeError(
