@@ -922,3 +922,17 @@ def test_a_float_layer_reading_a_quantized_param_is_named():
     (a,) = [r for r in qf.report().layers if r.name == "A/dot_general"]
     assert a.rule == 0 and "reads the dequantized ['w']" in a.status
     np.testing.assert_array_equal(qf(X)[0], X @ qf.params["w"].dequantize())
+
+
+def test_a_rule_giving_one_layer_activations_in_a_weight_only_config_is_calibrated():
+    """``QConfig(activations=None)`` with a Rule that gives one layer static activations: the
+    calibration data was not run, and quantize said to "calibrate first"."""
+    cfg = QConfig(
+        activations=None, rules=(Rule(pattern="Dense_1", activations=Scheme(symmetric=False)),)
+    )
+    qf = Q(model, P, calibration=BATCHES, config=cfg, progress=False)
+    acts = {r.name: r.activations for r in qf.report().layers}
+    assert acts["Dense_1/dot_general"] == "int8 asym tensor static"
+    assert sum(a is None for a in acts.values()) == len(acts) - 1
+    sim = Q(model, P, calibration=BATCHES, config=cfg, mode="simulate", progress=False)
+    np.testing.assert_allclose(qf(X), sim(X), rtol=1e-4, atol=1e-5)

@@ -22,7 +22,7 @@ from jaxq._walk import RewriteError, interpret, rewrite
 from jaxq.quantize._annotate import annotate, prepare, with_params
 from jaxq.quantize._arith import quantize_weight
 from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
-from jaxq.quantize._config import QConfig
+from jaxq.quantize._config import QConfig, Scheme
 from jaxq.quantize._lower import (
     LOOP_REASON,
     UNFOLLOWED,
@@ -840,7 +840,11 @@ def quantize(
         batches = itertools.chain([first], it)
     gptq = config.weight_calibration in ("gptq", "awq")
     smooth = config.smoothing is not None
-    needs_data = (config.activations is not None and not config.dynamic) or gptq or smooth
+    static = config.activations is not None or any(  # (a rule may give a layer activations)
+        isinstance(r.activations, Scheme) and r.activations.granularity != "token"
+        for r in config.rules
+    )
+    needs_data = (static and not config.dynamic) or gptq or smooth
     if batches is None and (gptq or smooth):
         what = (
             f"weight_calibration={config.weight_calibration!r} chooses weight codes"
