@@ -936,3 +936,21 @@ def test_a_rule_giving_one_layer_activations_in_a_weight_only_config_is_calibrat
     assert sum(a is None for a in acts.values()) == len(acts) - 1
     sim = Q(model, P, calibration=BATCHES, config=cfg, mode="simulate", progress=False)
     np.testing.assert_allclose(qf(X), sim(X), rtol=1e-4, atol=1e-5)
+
+
+def test_layers_in_custom_derivative_functions_say_why_they_stay_float():
+    """A dense layer written as a custom_vjp function stays float, and said "inside a scan /
+    while / cond body that no param enters" with a warning to pass the weights as params,
+    which they were."""
+
+    @jax.custom_vjp
+    def dense(x, w):
+        return x @ w
+
+    dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+    w = {"a": (RNG.normal(size=(12, 12)) / 4).astype(np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning about loops)
+        qf = Q(lambda p, x: dense(x, p["a"]), w, calibration=BATCHES, progress=False)
+    (row,) = qf.report().layers
+    assert row.status.startswith("inside a custom_jvp / custom_vjp function: stays float")

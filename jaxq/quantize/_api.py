@@ -904,8 +904,9 @@ def quantize(
     if in_loops:
         warnings.warn(
             f"jaxq.quantize: {len(in_loops)} layer(s) inside scan / while / cond bodies stay float "
-            f"(layers in loops and branches are quantized where their weights are params, "
-            f"jaxq.quantize(f, params, ...)): {in_loops[:5]}"
+            f"(layers in loops and branches are quantized where the loop takes their weight param "
+            f"itself, not a closed-over array nor a slice or product of a param made before the "
+            f"loop): {in_loops[:5]}"
             + (" ..." if len(in_loops) > 5 else "")
             + "; qf.report() lists them",
             UserWarning,

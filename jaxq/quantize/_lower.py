@@ -99,8 +99,14 @@ of a layer stack), or None where there are none (dynamic scales, before calibrat
 
 
 LOOP_REASON = (
-    "inside a scan / while / cond body that no param enters: stays float (layers in loops and "
-    "branches are quantized where their weights are params: jaxq.quantize(f, params, ...))"
+    "inside a scan / while / cond body, and its weight is no param the body takes as it is (a "
+    "closed-over array, or a param sliced, scaled or otherwise computed before the loop): stays "
+    "float (layers in loops and branches are quantized where the loop takes the param itself: "
+    "jaxq.quantize(f, params, ...), params[...] sliced inside the body)"
+)
+CUSTOM_REASON = (
+    "inside a custom_jvp / custom_vjp function: stays float (quantizing its body would change "
+    "the function its derivative rule was written for); call the layer outside it to quantize it"
 )
 ARRAY_STATS = (":gram", ":absmax", ":wabsmax", ":weight")
 """Suffixes of the per-layer arrays calibration collects (GPTQ / AWQ / SmoothQuant statistics)
@@ -625,7 +631,8 @@ class Engine:
             if concrete:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
-                self.skipped[name] = LOOP_REASON
+                custom = len(visit.path) > 1 and visit.path[-2] == "call_jaxpr"
+                self.skipped[name] = CUSTOM_REASON if custom else LOOP_REASON
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)
             else:
