@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jaxq.annotate as A
+import jaxq.partition
 
 # One function per identity annotation, built once so jitted versions are reused across examples.
 IDENTITY_FUNS = {
@@ -184,6 +185,7 @@ def test_registry():
         (lambda: A.on_device(1.0, "tpu:0"), ValueError, "on_device: device must be one of"),
         (lambda: A.on_device(1.0, "cpu:x"), ValueError, "on_device: device must be one of"),
         (lambda: A.on_device(1.0, 0), TypeError, "on_device: device must be a jax.Device"),
+        (lambda: jaxq.partition.xla_backend("tpu:0"), ValueError, "xla_backend: device must be"),
         (
             lambda: A.compiler_begin(1.0, ""),
             ValueError,

@@ -448,6 +448,8 @@ def test_rules_first_match_wins_and_unmatched_are_reported():
 def test_bad_input():
     with pytest.raises(QuantizeError, match="calibration data is empty"):
         Q(mlp, calibration=[], progress=False)
+    with pytest.raises(ValueError, match="max_batches must be a positive int; got 0"):
+        Q(mlp, calibration=[(X,)], max_batches=0, progress=False)  # (said the data was empty)
     with pytest.raises(QuantizeError, match="calibration batch 1"):
         Q(mlp, calibration=[(X,), (X, X)], progress=False)
     with pytest.raises(QuantizeError, match="need calibration data"):

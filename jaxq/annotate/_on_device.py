@@ -11,7 +11,7 @@ on_device_p = identity_annotation("on_device")
 annotate_tangents(on_device_p)
 
 
-def canonical_device(device: jax.Device | str) -> str:
+def canonical_device(device: jax.Device | str, who: str = "on_device") -> str:
     """Normalise `device` to `"platform:index"`, the index counting within `jax.devices(platform)`.
 
     A string, not a `jax.Device`, is what the primitive carries: it is hashable, prints in jaxprs
@@ -20,7 +20,7 @@ def canonical_device(device: jax.Device | str) -> str:
     if isinstance(device, jax.Device):
         return f"{device.platform}:{jax.devices(device.platform).index(device)}"
     if not isinstance(device, str):
-        raise TypeError(f"on_device: device must be a jax.Device or a string; got {device!r}")
+        raise TypeError(f"{who}: device must be a jax.Device or a string; got {device!r}")
     platform, _, index = device.lower().partition(":")
     try:
         devices = jax.devices(platform)
@@ -29,7 +29,7 @@ def canonical_device(device: jax.Device | str) -> str:
         devices, i = [], -1
     if not 0 <= i < len(devices):
         available = ", ".join(f"{d.platform}:{k}" for k, d in enumerate(jax.devices()))
-        raise ValueError(f"on_device: device must be one of {available}; got {device!r}")
+        raise ValueError(f"{who}: device must be one of {available}; got {device!r}")
     # The device's own platform name, so "cuda:0" and "gpu:0" give the same param.
     return f"{devices[i].platform}:{i}"
 

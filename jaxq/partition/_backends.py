@@ -95,7 +95,7 @@ def _device(device: Any) -> jax.Device:
         return device
     from jaxq.annotate._on_device import canonical_device
 
-    platform, _, index = canonical_device(device).partition(":")
+    platform, _, index = canonical_device(device, "xla_backend").partition(":")
     return jax.devices(platform)[int(index)]
 
 

@@ -54,7 +54,9 @@ def plan_devices(default: Any = None) -> Pass:
         eqns = jaxpr.eqns
         if not any(e.primitive is on_device_p for e in eqns):
             return program
-        home = canonical_device(default if default is not None else jax.devices()[0])
+        home = canonical_device(
+            default if default is not None else jax.devices()[0], "plan_devices"
+        )
         n = len(eqns)
         producer: dict[Any, int] = {}
         for i, e in enumerate(eqns):

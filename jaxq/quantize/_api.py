@@ -830,6 +830,10 @@ def quantize(
             )
         it = iter(calibration)
         if max_batches is not None:
+            if not isinstance(max_batches, int) or max_batches < 1:
+                raise ValueError(
+                    f"quantize: max_batches must be a positive int; got {max_batches!r}"
+                )
             it = itertools.islice(it, max_batches)
         try:
             first = next(it)
