@@ -113,7 +113,9 @@ class Program:
         return fun
 
     def flatten_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """Flatten a call's arguments and check them against the traced signature."""
+        """Flatten a call's arguments, given as the tuple of positional arguments and the dict
+        of keyword ones (``program.flatten_args((w, x), {})``), and check them against the
+        traced signature."""
         flat, tree = jax.tree.flatten((args, kwargs))
         if tree != self.in_tree:
             raise TypeError(

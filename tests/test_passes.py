@@ -339,3 +339,14 @@ def test_pass_context_checks_its_arguments_and_names_a_misspelled_pass():
         T.PassContext(instruments=[T.PassTiming])
     with pytest.raises(TypeError, match="instrument 42 has none of the hooks"):
         T.PassContext(instruments=[42])
+
+
+def test_a_slice_of_a_sequential_is_named_as_written():
+    """(``pipeline[:2]`` was named ``sequential[None:2]``, and ``[::2]`` lost its step.)"""
+    seq = T.Sequential([T.identity(), T.name_expressions(), T.infer_layouts()])
+    assert [seq[s].name for s in (slice(None, 2), slice(1, None), slice(None, None, 2))] == [
+        "sequential[:2]",
+        "sequential[1:]",
+        "sequential[::2]",
+    ]
+    assert [p.name for p in seq[::2].passes] == ["identity", "infer_layouts"]

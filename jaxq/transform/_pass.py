@@ -130,7 +130,9 @@ class Sequential(Pass):
     def __getitem__(self, i: slice) -> Sequential: ...
     def __getitem__(self, i: int | slice) -> Pass | Sequential:
         if isinstance(i, slice):
-            return Sequential(self.passes[i], name=f"{self.name}[{i.start}:{i.stop}]")
+            parts = [("" if v is None else str(v)) for v in (i.start, i.stop, i.step)]
+            span = ":".join(parts if i.step is not None else parts[:2])
+            return Sequential(self.passes[i], name=f"{self.name}[{span}]")
         return self.passes[i]
 
     def __repr__(self) -> str:
