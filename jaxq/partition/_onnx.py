@@ -97,6 +97,8 @@ def _limit(e: C.JaxprEqn) -> str | None:
         return "select_n with more than two cases"
     if name == "round" and int(p["rounding_method"]) != 1:
         return "round away from zero (ONNX rounds half to even)"
+    if name == "neg" and np.issubdtype(dtypes[0], np.unsignedinteger):
+        return "neg of unsigned integers (ONNX Runtime's Neg takes signed types)"
     ints = [np.issubdtype(d, np.integer) for d in dtypes]
     eight_bit = all(d in _INT8 for d in dtypes)
     if name == "dot_general" and any(ints) and not eight_bit:
