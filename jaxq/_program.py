@@ -94,6 +94,13 @@ class Program:
     layouts: Mapping[C.Var, str] | None = None
     meta: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _EMPTY)
 
+    def __copy__(self) -> Program:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Program:
+        """Itself: a Program is immutable (and its jaxpr's tracebacks cannot be copied)."""
+        return self
+
     # -- evaluation -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.as_fun()(*args, **kwargs)

@@ -178,3 +178,13 @@ def test_intermediates_returns_named_values_compiled():
     nested = jaxq.trace(lambda x: jax.jit(jnp.sin)(x), X)
     with pytest.raises(ValueError, match="inside nested jaxprs"):
         jaxq.intermediates(nested, ["jit/sin"], X)
+
+
+def test_copying_a_program_gives_the_program():
+    """``copy.deepcopy`` (a config dict holding a Program, say) failed on the jaxpr's
+    tracebacks; a Program is immutable, so a copy is the program itself."""
+    import copy
+
+    prog = jaxq.trace(lambda x: jnp.sin(x) * 2.0, jnp.ones(3))
+    box = copy.deepcopy({"program": prog})
+    assert box["program"] is prog and copy.copy(prog) is prog
