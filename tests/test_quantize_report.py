@@ -53,6 +53,9 @@ def test_report_has_sqnr_worst_first_and_matches_a_direct_measurement(qf):
     row = next(r for r in rep.layers if r.name == "Dense_0/dot_general")
     assert row.sqnr_db == pytest.approx(want, abs=1e-3)
     assert "SQNR dB" in str(rep)
+    # an empty sample measures nothing: NaN, not an infinite (perfect) SQNR
+    empty = qf.report(sample=(X[0][:0],))
+    assert all(math.isnan(r.sqnr_db) for r in empty.layers)
 
 
 def test_report_as_json_and_png(qf, tmp_path):

@@ -219,8 +219,11 @@ def param_bytes(program: Program, params: Any = None) -> int:
 
 
 def sqnr_db(reference: Any, approx: Any) -> float:
-    """``10 log10(sum(ref^2) / sum((ref - approx)^2))`` in dB; infinite when they are equal."""
+    """``10 log10(sum(ref^2) / sum((ref - approx)^2))`` in dB; infinite when they are equal,
+    NaN when there are no values (an empty batch measures nothing)."""
     ref = np.asarray(reference, np.float64)
+    if ref.size == 0:
+        return math.nan
     noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
     if noise == 0.0:
         return math.inf
