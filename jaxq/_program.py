@@ -296,7 +296,13 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
             "value-dependent control flow, or close over the value if it is static."
         ) from e
     except Exception as e:
-        raise TraceError(f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}") from e
+        hint = (
+            "\njaxq traces every argument, so a jitted function's static argument arrives as a "
+            "traced value. Bind it instead: jaxq.trace(jax.jit(functools.partial(f, n=3)), x)."
+            if "Non-hashable static arguments" in str(e)
+            else ""
+        )
+        raise TraceError(f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}{hint}") from e
     return Program(closed, in_tree, out_tree_box[-1], in_paths, name=_identifier(name))
 
 

@@ -73,6 +73,12 @@ def test_wrong_structure_is_a_clear_error():
         prog(PARAMS[:1], X)
 
 
+def test_a_jitted_functions_static_argument_gets_a_hint():
+    f = jax.jit(lambda x, n: x * n, static_argnums=1)
+    with pytest.raises(jaxq.TraceError, match=r"Non-hashable(.|\n)*Bind it instead"):
+        jaxq.trace(f, X, 3)
+
+
 def test_python_scalars_are_accepted_for_scalar_inputs():
     prog = jaxq.trace(lambda x, s: x * s, X, np.float32(2))
     np.testing.assert_array_equal(prog(X, 2.0), X * 2)
