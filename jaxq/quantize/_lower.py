@@ -631,7 +631,7 @@ class Engine:
             if concrete:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
-                custom = len(visit.path) > 1 and visit.path[-2] == "call_jaxpr"
+                custom = C.in_custom_derivative_body(visit.path)
                 self.skipped[name] = CUSTOM_REASON if custom else LOOP_REASON
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)
