@@ -171,3 +171,41 @@ def test_checkpointed_calls_a_backend_claims_run_there(backend):
     assert region.primitives[0] in ("checkpoint", "remat2")
     run = jaxq.build(parts, backends={"claims": backend})
     np.testing.assert_allclose(run(X), f(X), rtol=1e-5, atol=1e-5)
+
+
+def _pool_padded(x):
+    return lax.reduce_window(
+        x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 1, 1), ((0, 0), (0, 0), (2, 0), (0, 0))
+    )
+
+
+_I16 = np.array([[3, -7, 5], [1, 2, -3]], np.int16)
+_I32 = np.array([7, -7, 9, 4], np.int32)
+
+
+@pytest.mark.parametrize(
+    "f, args",
+    [
+        (lambda x: lax.clamp(1.0, x, -1.0), (np.linspace(-2, 2, 5).astype(np.float32),)),
+        (lambda a, b: lax.div(a, b) + 1, (_I32, np.array([2, 3, 0, 1], np.int32))),
+        (_pool_padded, (np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4),)),
+        (lambda x: jnp.maximum(x, 0) + 1, (_I16,)),
+        (lambda x: jnp.sum(x, axis=1, dtype=jnp.int8), (_I16.astype(np.int8),)),
+        (lambda x: (x < ~x) | x, (np.array([True, False]),)),
+    ],
+    ids=["clamp_lo_above_hi", "int_div_by_zero", "pool_padded_by_a_window", "max_int16",
+         "sum_int8", "lt_bool"],
+)  # fmt: skip
+def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
+    """Each of these was claimed for ONNX Runtime and then failed to open (int16 Max, int8
+    ReduceSum, bool Less, MaxPool padded by its window), failed at run time (integer division
+    by 0, which XLA defines), or ran wrong (a clamp whose bounds cross gave lo; XLA gives hi)."""
+    pytest.importorskip("onnxruntime")
+    P.register_backend_support("claims", "onnxruntime")
+    try:
+        passes = [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
+        parts = jaxq.transform.Sequential(passes)(jaxq.trace(f, *args))
+        got = jax.jit(jaxq.build(parts, backends={"claims": "onnxruntime"}))(*args)
+    finally:
+        P.unregister_compiler("claims")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))

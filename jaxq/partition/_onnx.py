@@ -99,7 +99,14 @@ def _limit(e: C.JaxprEqn) -> str | None:
         return "round away from zero (ONNX rounds half to even)"
     if name == "neg" and np.issubdtype(dtypes[0], np.unsignedinteger):
         return "neg of unsigned integers (ONNX Runtime's Neg takes signed types)"
+    kernels = _ORT_DTYPES.get(name)
+    if kernels is not None and any(d.name not in kernels for d in dtypes[-1:]):
+        return f"{name} on {dtypes[-1].name} (ONNX Runtime's kernel takes {', '.join(kernels)})"
     ints = [np.issubdtype(d, np.integer) for d in dtypes]
+    if name in ("div", "rem") and ints[0]:
+        d = e.invars[1]
+        if not (C.is_literal(d) and np.all(np.asarray(d.val) != 0)):
+            return f"integer {name} by a divisor that may be 0 (XLA gives -1, ONNX Runtime fails)"
     eight_bit = all(d in _INT8 for d in dtypes)
     if name == "dot_general" and any(ints) and not eight_bit:
         return "an integer dot_general on other than 8-bit operands"
@@ -117,11 +124,32 @@ def _limit(e: C.JaxprEqn) -> str | None:
             return f"{kind} pooling that does not leave exactly two axes unpooled"
         if any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"])):
             return f"dilated {kind} pooling"
+        window = p["window_dimensions"]
+        if any(max(pad) >= w for pad, w in zip(p["padding"], window, strict=True) if w > 1):
+            return f"{kind} pooling padded by a window or more (ONNX Runtime refuses it)"
         if kind == "sum" and not np.issubdtype(dtypes[0], np.floating):
             return "integer sum pooling"
     if name == "pad" and any(lo < 0 or hi < 0 or i for lo, hi, i in p["padding_config"]):
         return "a pad with interior or negative padding"
     return None
+
+
+_ORT_DTYPES: dict[str, tuple[str, ...]] = {
+    name: kinds
+    for names, kinds in (
+        (("reduce_sum",), ("float32", "float64", "int32", "int64", "uint64")),
+        (("reduce_max", "reduce_min"), ("float32", "float64", "int8", "uint8", "int32", "int64")),
+        (("max", "min", "clamp", "select_n"), ("float32", "float64", "int8", "uint8", "int32", "uint32",
+                                   "int64", "uint64")),
+        (("lt", "le", "gt", "ge", "dot_general"), ("float32", "float64", "int8", "uint8", "int16",
+                                                   "uint16", "int32", "uint32", "int64", "uint64")),
+        (("reduce_window_max",), ("float32", "float64", "int8", "uint8")),
+    )
+    for name in names
+}  # fmt: skip
+"""The dtypes (of the last operand) ONNX Runtime's CPU kernels take, for the primitives whose
+kernels do not take every dtype the exporter writes (measured on onnxruntime 1.32: the others
+fail to open the model)."""
 
 
 def _columns(v: np.ndarray, shape: Sequence[int], axes: Sequence[int]) -> np.ndarray | None:
@@ -529,8 +557,8 @@ class _Exporter:
         if name == "round":  # (only half-to-even reaches here: see _limit)
             return self.node("Round", ins)
         if name == "clamp":  # lax.clamp(lo, x, hi)
-            lo, x, hi = ins
-            return self.node("Max", [self.node("Min", [x, hi])[0], lo])
+            lo, x, hi = ins  # (XLA's order: where lo > hi, the result is hi)
+            return self.node("Min", [self.node("Max", [x, lo])[0], hi])
         if name == "erfc":
             one = self.const(1, shaped_aval(e.invars[0]).dtype)
             return self.node("Sub", [one, self.node("Erf", ins)[0]])
