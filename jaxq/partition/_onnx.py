@@ -1601,7 +1601,8 @@ def export_onnx(region: Program, *, onnxruntime_ops: bool = True, exact: bool = 
 
     With ``onnxruntime_ops`` (the default), an 8-bit dot whose result is only rescaled to float
     (realize's ``float(dot - zero-point term) * scales``) becomes one ONNX Runtime
-    ``com.microsoft.MatMulIntegerToFloat`` (the same floats, one kernel instead of four);
+    ``com.microsoft.MatMulIntegerToFloat`` (the same floats, one kernel instead of four; a bias
+    fused in rounds apart by an ulp or two of the product: XLA:CPU adds it in one FMA);
     ``onnxruntime_ops=False`` keeps to the standard ONNX domain, for other runtimes.
 
     An 8-bit convolution whose result realize only requantizes to the next layer's int8 codes
