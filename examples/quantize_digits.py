@@ -77,22 +77,28 @@ def main(argv: list[str] | None = None) -> None:
     groups += [{"float32": f_jit, k: v} for k, v in variants.items() if k.endswith("ORT")]
     t1: dict[str, jaxq.Timing] = {}
     t256: dict[str, jaxq.Timing] = {}
+    rows = list(variants)  # (and the float time of each run of its own, above its variant)
     for group in groups:
+        base = "float32" if "float32" not in t1 else f"  float32, {list(group)[1]}'s run"
         for t, x, rounds in ((t1, b1, 400), (t256, b256, 60)):
             table = jaxq.compare_timing(group, x, rounds=rounds)
-            t.update({k: table[k] for k in group if k not in t})
+            t.update({k: table[k] for k in group if k != "float32"} | {base: table["float32"]})
+        if base != "float32":
+            rows.insert(rows.index(list(group)[1]), base)
     nbytes = {"float32": sum(np.asarray(p).nbytes for p in jax.tree.leaves(params))}
     nbytes |= {k: qf.report().param_bytes for k in variants if k != "float32"}
     print(
         f"{'model':<18}{'accuracy':>10}{'param bytes':>13}{'batch 1 ms':>12}{'speed-up':>10}"
         f"{'batch 256 ms':>14}{'speed-up':>10}"
     )
-    for name in variants:
+    for name in rows:
         r1, r256 = t1[name], t256[name]
-        print(
-            f"{name:<18}{accuracy[name]:>10.4f}{nbytes[name]:>13,}{r1.ms:>12.3f}"
-            f"{r1.speedup:>9.2f}x{r256.ms:>14.3f}{r256.speedup:>9.2f}x"
+        first = (
+            f"{name:<18}{accuracy[name]:>10.4f}{nbytes[name]:>13,}"
+            if name in variants
+            else f"{name:<41}"
         )
+        print(f"{first}{r1.ms:>12.3f}{r1.speedup:>9.2f}x{r256.ms:>14.3f}{r256.speedup:>9.2f}x")
     drop = 100 * (acc_f - acc_q)
     (lo1, hi1), (lo256, hi256) = t1["jaxq W8A8"].interval, t256["jaxq W8A8"].interval
     print(
