@@ -520,7 +520,8 @@ class _Exporter:
                 if bounds is None or not info.min <= bounds[1] <= bounds[2] <= info.max:
                     return self.saturating_cast(ins[0], src_dtype, np.dtype(p["new_dtype"]), to)
             cast = self.node("Cast", ins, to=to)
-            if np.dtype(p["new_dtype"]) == np.int8 and np.issubdtype(src_dtype, np.floating):
+            bounds = self.clamp_of(e.invars[0]) if np.dtype(p["new_dtype"]) == np.int8 else None
+            if bounds is not None and src_dtype.kind == "f" and self.integral(bounds[0]):
                 self.float_codes[cast[0]] = (ins[0], src_dtype)
             return cast
         src = self.magnitude_of(e.invars[0]) if name == "reduce_max" else None
@@ -646,6 +647,21 @@ class _Exporter:
             top = self.node("GreaterOrEqual", [clean, self.const(float(info.max), src)])[0]
             out = self.node("Where", [top, self.const(info.max, dst), cast[0]])
         return out
+
+    def integral(self, v: Any) -> bool:
+        """Whether ``v`` holds whole numbers (or NaN / Inf): rounded, an integer converted, or
+        such values plus or minus whole constants (realize's ``round(x / s) + zp``)."""
+        c = self.value(v)
+        if c is not None:
+            return bool(np.all(np.isnan(c) | (np.round(c) == c)))
+        e = self.graph.made_by(v, "round", "floor", "ceil", "convert_element_type", "add", "sub")
+        if e is None:
+            return False
+        if e.primitive.name == "convert_element_type":
+            return np.issubdtype(np.dtype(shaped_aval(e.invars[0]).dtype), np.integer)
+        if e.primitive.name in ("add", "sub"):
+            return all(self.integral(a) for a in e.invars)
+        return True
 
     def is_scalar(self, a: Any, want: float) -> bool:
         v = self.value(a)
