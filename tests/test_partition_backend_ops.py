@@ -209,3 +209,48 @@ def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
     finally:
         P.unregister_compiler("claims")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))
+
+
+def test_a_clipped_cast_to_int8_feeding_an_int8_dot_truncates_as_xla():
+    """A float clipped into int8's range and cast (not rounded first) feeds an int8 dot: the
+    exporter took the clipped floats for whole numbers and shifted them into uint8 by a Cast
+    that floors, so -0.066 * 30 became -2 where XLA truncates to -1."""
+    pytest.importorskip("onnxruntime")
+    x = np.array([[0.063, -0.066], [0.32, 0.052], [-0.27, 0.18], [2.57, -2.57]], np.float32)
+
+    def f(x):
+        q = jnp.clip(x * 30.0, -100, 100).astype(jnp.int8)
+        dn = (((1,), (0,)), ((), ()))
+        return lax.dot_general(q, jnp.eye(2, dtype=jnp.int8), dn, preferred_element_type=jnp.int32)
+
+    P.register_backend_support("claims", "onnxruntime")
+    try:
+        passes = [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
+        parts = jaxq.transform.Sequential(passes)(jaxq.trace(f, x))
+        assert [r.primitives[-1] for r in P.regions(parts)] == ["dot_general"]
+        got = jax.jit(jaxq.build(parts, backends={"claims": "onnxruntime"}))(x)
+    finally:
+        P.unregister_compiler("claims")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "xla"])
+def test_a_region_whose_results_nobody_reads_builds(backend):
+    """JAX keeps an unused ``x[0]`` in the jaxpr; partitioned, it is a region with no outputs,
+    which ONNX Runtime refused to open. Nothing reads it, so nothing runs."""
+    pytest.importorskip("onnxruntime")
+
+    def f(x):
+        _unused = x[0]
+        return x + 1.0
+
+    x = np.ones((2, 3), np.float32)
+    P.register_backend_support("claims", "onnxruntime")
+    try:
+        passes = [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
+        parts = jaxq.transform.Sequential(passes)(jaxq.trace(f, x))
+        assert 0 in [r.num_outputs for r in P.regions(parts)]
+        got = jaxq.build(parts, backends={"claims": backend})(x)
+    finally:
+        P.unregister_compiler("claims")
+    np.testing.assert_array_equal(np.asarray(got), x + 1.0)

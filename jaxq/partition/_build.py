@@ -56,6 +56,9 @@ def build(
     backends = dict(backends or {})
     runners: dict[str, Callable[..., Sequence[Any]]] = {}
     for r in regions(program):
+        if r.num_outputs == 0:  # (dead code JAX kept, e.g. an unused x[0]: nothing to compute)
+            runners[r.name] = lambda *args: []
+            continue
         choice = backends.get(r.compiler, r.compiler)
         codegen = (
             choice if callable(choice) else get_backend(choice, region=r.name, compiler=r.compiler)
