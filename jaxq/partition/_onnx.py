@@ -104,8 +104,8 @@ def _limit(e: C.JaxprEqn) -> str | None:
         return f"{name} on {dtypes[-1].name} (ONNX Runtime's kernel takes {', '.join(kernels)})"
     ints = [np.issubdtype(d, np.integer) for d in dtypes]
     if name in ("div", "rem") and ints[0]:
-        d = e.invars[1]
-        if not (C.is_literal(d) and np.all(np.asarray(d.val) != 0)):
+        divisor: Any = e.invars[1]
+        if not (C.is_literal(divisor) and np.all(np.asarray(divisor.val) != 0)):
             return f"integer {name} by a divisor that may be 0 (XLA gives -1, ONNX Runtime fails)"
     eight_bit = all(d in _INT8 for d in dtypes)
     if name == "dot_general" and any(ints) and not eight_bit:
