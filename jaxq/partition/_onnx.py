@@ -103,10 +103,12 @@ def _limit(e: C.JaxprEqn) -> str | None:
     if kernels is not None and any(d.name not in kernels for d in dtypes[-1:]):
         return f"{name} on {dtypes[-1].name} (ONNX Runtime's kernel takes {', '.join(kernels)})"
     ints = [np.issubdtype(d, np.integer) for d in dtypes]
-    if name in ("div", "rem") and ints[0]:
-        divisor: Any = e.invars[1]
-        if not (C.is_literal(divisor) and np.all(np.asarray(divisor.val) != 0)):
-            return f"integer {name} by a divisor that may be 0 (XLA gives -1, ONNX Runtime fails)"
+    divisor: Any = e.invars[-1]
+    plain = C.is_literal(divisor) and np.all(np.abs(np.asarray(divisor.val).astype(float)) > 1)
+    if name == "rem" and ints[0] and not plain:
+        return "integer rem by a divisor that may be 0 (XLA gives x, ONNX Runtime fails)"
+    if name == "div" and ints[0] and not plain and dtypes[0].name not in ("int32", "int64"):
+        return f"{dtypes[0].name} div by a divisor that may be 0 (XLA gives -1, ONNX Runtime fails)"
     eight_bit = all(d in _INT8 for d in dtypes)
     if name == "dot_general" and any(ints) and not eight_bit:
         return "an integer dot_general on other than 8-bit operands"
@@ -480,6 +482,10 @@ class _Exporter:
                 self.carry(
                     e.invars[i], e.outvars[0], big if name == "mul" else 1.0, big * (name == "add")
                 )
+        if name == "div" and np.dtype(out_aval.dtype).name in ("int32", "int64"):
+            divisor: Any = e.invars[1]
+            if not (C.is_literal(divisor) and abs(float(divisor.val)) > 1):
+                return self.int_div(np.dtype(out_aval.dtype), *ins)
         if name in _BINARY:
             return self.node(_BINARY[name], ins)
         if name == "rsqrt":
@@ -647,6 +653,17 @@ class _Exporter:
             top = self.node("GreaterOrEqual", [clean, self.const(float(info.max), src)])[0]
             out = self.node("Where", [top, self.const(info.max, dst), cast[0]])
         return out
+
+    def int_div(self, dt: np.dtype, a: str, b: str) -> list[str]:
+        """XLA's integer division: truncated toward zero, as ONNX's ``Div``, and ``x / 0 = -1``,
+        ``INT_MIN / -1 = INT_MIN``, where ONNX Runtime's ``Div`` fails or traps: those divisors
+        become 1 and the results are chosen after."""
+        zero = self.node("Equal", [b, self.const(0, dt)])[0]
+        lowest = self.node("Equal", [a, self.const(np.iinfo(dt).min, dt)])[0]
+        minus = self.node("Equal", [b, self.const(-1, dt)])[0]
+        bad = self.node("Or", [zero, self.node("And", [lowest, minus])[0]])[0]
+        q = self.node("Div", [a, self.node("Where", [bad, self.const(1, dt), b])[0]])[0]
+        return self.node("Where", [zero, self.const(-1, dt), q])
 
     def integral(self, v: Any) -> bool:
         """Whether ``v`` holds whole numbers (or NaN / Inf): rounded, an integer converted, or
