@@ -100,11 +100,10 @@ def _limit(e: C.JaxprEqn) -> str | None:
     if name == "neg" and np.issubdtype(dtypes[0], np.unsignedinteger):
         return "neg of unsigned integers (ONNX Runtime's Neg takes signed types)"
     kernels = _ORT_DTYPES.get(name)
-    if kernels is not None and any(d.name not in kernels for d in dtypes[-1:]):
+    if kernels is not None and dtypes[-1].name not in kernels:
         return f"{name} on {dtypes[-1].name} (ONNX Runtime's kernel takes {', '.join(kernels)})"
     ints = [np.issubdtype(d, np.integer) for d in dtypes]
-    divisor: Any = e.invars[-1]
-    plain = C.is_literal(divisor) and np.all(np.abs(np.asarray(divisor.val).astype(float)) > 1)
+    plain = name in ("div", "rem") and _plain_divisor(e.invars[1])
     if name == "rem" and ints[0] and not plain:
         return "integer rem by a divisor that may be 0 (XLA gives x, ONNX Runtime fails)"
     if name == "div" and ints[0] and not plain and dtypes[0].name not in ("int32", "int64"):
@@ -141,8 +140,8 @@ _ORT_DTYPES: dict[str, tuple[str, ...]] = {
     for names, kinds in (
         (("reduce_sum",), ("float32", "float64", "int32", "int64", "uint64")),
         (("reduce_max", "reduce_min"), ("float32", "float64", "int8", "uint8", "int32", "int64")),
-        (("max", "min", "clamp", "select_n"), ("float32", "float64", "int8", "uint8", "int32", "uint32",
-                                   "int64", "uint64")),
+        (("max", "min", "clamp", "select_n"), ("float32", "float64", "int8", "uint8", "int32",
+                                                "uint32", "int64", "uint64")),
         (("lt", "le", "gt", "ge", "dot_general"), ("float32", "float64", "int8", "uint8", "int16",
                                                    "uint16", "int32", "uint32", "int64", "uint64")),
         (("reduce_window_max",), ("float32", "float64", "int8", "uint8")),
@@ -152,6 +151,12 @@ _ORT_DTYPES: dict[str, tuple[str, ...]] = {
 """The dtypes (of the last operand) ONNX Runtime's CPU kernels take, for the primitives whose
 kernels do not take every dtype the exporter writes (measured on onnxruntime 1.32: the others
 fail to open the model)."""
+
+
+def _plain_divisor(v: Any) -> bool:
+    """Whether an integer division by ``v`` needs no guard: a literal other than 0 and +-1
+    (XLA defines x / 0 and INT_MIN / -1; ONNX Runtime fails or traps on them)."""
+    return C.is_literal(v) and bool(np.all(np.abs(np.asarray(v.val).astype(float)) > 1))
 
 
 def _columns(v: np.ndarray, shape: Sequence[int], axes: Sequence[int]) -> np.ndarray | None:
@@ -482,10 +487,9 @@ class _Exporter:
                 self.carry(
                     e.invars[i], e.outvars[0], big if name == "mul" else 1.0, big * (name == "add")
                 )
-        if name == "div" and np.dtype(out_aval.dtype).name in ("int32", "int64"):
-            divisor: Any = e.invars[1]
-            if not (C.is_literal(divisor) and abs(float(divisor.val)) > 1):
-                return self.int_div(np.dtype(out_aval.dtype), *ins)
+        wide_int = np.dtype(out_aval.dtype).name in ("int32", "int64")
+        if name == "div" and wide_int and not _plain_divisor(e.invars[1]):
+            return self.int_div(np.dtype(out_aval.dtype), *ins)
         if name in _BINARY:
             return self.node(_BINARY[name], ins)
         if name == "rsqrt":
