@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from jaxq import _compat as C
 from jaxq._program import Program
@@ -1737,8 +1738,11 @@ class OrtRegion:
 
         register_backend("ort_dynamic", lambda region: OrtRegion(region, my_model(region)))
 
-    XLA calls the session on its own buffers through an FFI call where jaxq's small C++ crossing
-    builds, else through ``jax.pure_callback`` (see above)."""
+    On XLA:CPU, XLA calls the session on its own buffers through an FFI call where jaxq's small
+    C++ crossing builds, else through ``jax.pure_callback`` (see above). On other platforms (a
+    GPU) the operands cross to the host through ``jax.pure_callback``: the FFI handler reads host
+    memory, so it is registered for XLA:CPU only, and ``lax.platform_dependent`` picks the
+    crossing when the program is lowered for its device."""
 
     def __init__(self, region: Program, model: Any) -> None:
         self.model = model
@@ -1748,13 +1752,13 @@ class OrtRegion:
         self._result = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in region.jaxpr.out_avals]
         lib = _ort_ffi.library()
         self.crossing = "ffi" if lib is not None else "pure_callback"
-        """How XLA reaches ONNX Runtime: ``"ffi"`` or ``"pure_callback"``."""
+        """How XLA:CPU reaches ONNX Runtime: ``"ffi"`` or ``"pure_callback"`` (other platforms
+        always cross through ``jax.pure_callback``)."""
         self._count = [0]
         if lib is not None:
             outputs = [o.name for o in model.graph.output]
             self._native = _ort_ffi.Session(lib, region.name, self._data, self._inputs, outputs)
-        else:
-            self._host = callback_runner(region, self._run_host)
+        self._host = callback_runner(region, self._run_host)
 
     @functools.cached_property
     def session(self) -> Any:
@@ -1775,7 +1779,7 @@ class OrtRegion:
 
     def calls(self) -> int:
         """How many times the region has run."""
-        return self._native.calls if self.crossing == "ffi" else self._count[0]
+        return self._count[0] + (self._native.calls if self.crossing == "ffi" else 0)
 
     def _run_host(self, *args: Any) -> list[np.ndarray]:
         feeds = {n: np.asarray(a) for n, a in zip(self._inputs, args, strict=True)}
@@ -1784,9 +1788,11 @@ class OrtRegion:
         return outs
 
     def __call__(self, *args: Any) -> Sequence[Any]:
-        if self.crossing == "ffi":
-            return self._native(self._result, *args)
-        return self._host(*args)
+        if self.crossing != "ffi":
+            return self._host(*args)
+        native = lambda *a: list(self._native(self._result, *a))
+        host = lambda *a: list(self._host(*a))
+        return lax.platform_dependent(*args, cpu=native, default=host)
 
 
 def onnx_codegen(region: Program, *, exact: bool = False) -> OrtRegion:
