@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import warnings
 
@@ -540,6 +541,35 @@ def test_convolution_params_equal_closure_style(wsym, padding):
     np.testing.assert_array_equal(
         np.asarray(jax.jit(qf.apply)(qf.params, imgs)), np.asarray(jax.jit(closure)(imgs))
     )
+
+
+@pytest.mark.parametrize("wsym, chunks", [(True, 3), (False, 6)])
+def test_without_an_s8_convolution_the_sums_run_in_f32_channel_chunks(wsym, chunks):
+    """XLA:GPU has no int8 x int8 -> int32 convolution (the program failed to compile on an
+    H100), so the GPU tuning carries every convolution's sums in f32, in input-channel chunks
+    where one f32 sum could reach 2**24 (3x3 x 160 channels of any params' codes can); the
+    integers are those of the s8 convolution."""
+    gpu = Q.tuning(platform="gpu")
+    assert not gpu.s8_conv and Q.tuning(platform="cpu").s8_conv
+    rng = np.random.default_rng(9)
+    k = (rng.normal(size=(3, 3, 160, 8)) * 0.1).astype(np.float32)
+    imgs = rng.normal(size=(2, 4, 4, 160)).astype(np.float32)
+
+    def cnn(p, x):
+        dn = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME", dimension_numbers=dn)
+
+    cfg = QConfig(weights=Scheme(granularity="channel", symmetric=wsym))
+    qf = Q(cnn, {"k": k}, calibration=[(imgs,)], config=cfg, progress=False)
+    with PassContext(config={"quantize.tuning": gpu}):
+        jaxpr = str(jax.make_jaxpr(qf.apply)(qf.params, imgs))
+        got = jax.jit(qf.apply)(qf.params, imgs)
+    assert jaxpr.count("conv_general_dilated[") == chunks
+    assert "preferred_element_type=int32" not in jaxpr
+    with PassContext(config={"quantize.tuning": dataclasses.replace(gpu, s8_conv=True)}):
+        s8 = jax.jit(qf.apply)(qf.params, imgs)
+        assert "preferred_element_type=int32" in str(jax.make_jaxpr(qf.apply)(qf.params, imgs))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(s8))
 
 
 @settings(max_examples=8, deadline=None)

@@ -341,6 +341,38 @@ def _conv_by_taps(x: jax.Array, w: jax.Array, p: Any, out_shape: tuple[int, ...]
     return jnp.transpose(acc, tuple(int(d) for d in np.argsort(dn.out_spec)))
 
 
+def _conv_in_chunks(
+    site: Site, xc: jax.Array, wc: jax.Array, conv: Any, p: Any, per_product: int
+) -> jax.Array:
+    """The integer sums of a convolution of centered f32 codes, exact beyond 2**24: f32
+    convolutions of input-channel chunks small enough that each sum stays below 2**24 (each
+    product is at most ``per_product``), rounded (a float algorithm off by less than 0.5 still
+    gives the integer) and added in int32."""
+    dn = p["dimension_numbers"]
+    per_channel = math.prod(wc.shape[d] for d in dn.rhs_spec[2:]) * per_product
+    if p["feature_group_count"] != 1 or per_channel >= 2**24:
+        what = "grouped convolution" if p["feature_group_count"] != 1 else "kernel of one channel"
+        raise QuantizeError(
+            f"realize: the integer sums of {site.name!r} can reach 2**24 (a {what}), and this "
+            "platform has no int8 convolution to hold them (a GPU): use fewer bits for this "
+            "layer, or skip it with a Rule"
+        )
+    c_in = xc.shape[dn.lhs_spec[1]]
+    step = max(1, (2**24 - 1) // per_channel)
+    acc = None
+    for lo in range(0, c_in, step):
+        hi = min(lo + step, c_in)
+        part = conv(
+            lax.slice_in_dim(xc, lo, hi, axis=dn.lhs_spec[1]),
+            lax.slice_in_dim(wc, lo, hi, axis=dn.rhs_spec[1]),
+            None,
+        )
+        part = jnp.round(part).astype(jnp.int32)
+        acc = part if acc is None else acc + part
+    assert acc is not None  # a convolution has at least one input channel
+    return acc
+
+
 _EPILOGUE = ("add", "sub", "mul", "max", "min", "custom_jvp_call", "pjit", "jit")
 """Equations that may lie between a convolution and its pooling (shape-preserving ones only)."""
 
@@ -435,7 +467,7 @@ def _int_conv(
     c_in, c_out = a_shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]]
     min_channels = tune.s8_pooled_conv_min_channels if pooled else tune.s8_conv_min_channels
     s8_fast = _channels_last(dn) and max(c_in, c_out) >= min_channels
-    f32_carry = exact_f32 and (direct or not s8_fast)
+    f32_carry = (exact_f32 and (direct or not s8_fast)) or not tune.s8_conv
     qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32 if f32_carry else jnp.int8)
     if f32_carry:
         # XLA:CPU runs an int8 convolution fast only in channels-last layout (NHWC / HWIO) and
@@ -450,7 +482,12 @@ def _int_conv(
         )
         # (a per-sample zero point is shaped like the input already)
         xc, wc = centered(qa, za_s), centered(wq, qw.zero_point)
-        acc = _conv_by_taps(xc, wc, p, out_shape) if direct else conv(xc, wc, None)
+        if exact_f32:
+            acc = _conv_by_taps(xc, wc, p, out_shape) if direct else conv(xc, wc, None)
+        else:  # no s8 convolution here (a GPU): f32 sums of input-channel chunks, added in int32
+            w_centered = 2**qw.bits if _nonzero(qw.zero_point) else 2 ** (qw.bits - 1)
+            per_product = w_centered * (scheme.qrange[1] - scheme.qrange[0])
+            acc = _conv_in_chunks(site, xc, wc, conv, p, per_product)
         w_scale = qw.scale.reshape(-1) if qw.scale.size > 1 else qw.scale.reshape(())
         return acc, per_sample(sa) * per_channel(w_scale)
     host = _host(qw.codes)

@@ -6,12 +6,14 @@ about one XLA build, not about jaxq: the same s8 dot (256 x 1024 x 1024) takes 0
 on jax 0.10.2 and 0.33x on 0.12, and kernels that are slow in one build may not be in the next.
 ``benchmarks/bench_kernels.py`` measures the facts on the running jaxlib and prints the entry they
 imply; this table holds one entry per version, and the newest entry not newer than the running jax
-is used (the oldest for older versions).
+is used (the oldest for older versions). A GPU has an entry of its own (``GPU``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from jaxq import _compat as C
 from jaxq.transform import PassContext
@@ -44,6 +46,11 @@ class Tuning:
     conv_taps_max: int = 16
     """Convolutions with at most this many products per output (kernel positions x input channels,
     e.g. a 3x3 kernel on one channel) run as shifted slices times weight rows in one fused loop."""
+    s8_conv: bool = True
+    """The platform has an int8 x int8 -> int32 convolution. XLA:GPU has none (it widens the
+    operands to s32, which cuDNN does not convolve: the program fails to compile), so there every
+    convolution carries its exact integer sums in f32, in input-channel chunks whose sums stay
+    below 2**24, added in int32."""
 
 
 TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
@@ -65,6 +72,12 @@ TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
 )
 
 
+GPU = Tuning(float_carry_max_rows=0, s8_conv_min_channels=0, s8_pad_single_row=False, s8_conv=False)
+"""The entry on a GPU (any jax version). Only ``s8_conv`` is a fact (seen on an H100 with jax
+0.11.2); the rest is not measured: matmuls of every size run XLA:GPU's s8 dot (cuBLAS), since the
+one-row routes above work around XLA:CPU kernels."""
+
+
 def current_tuning() -> Tuning:
     """What realize uses: ``PassContext(config={"quantize.tuning": Tuning(...)})`` where given
     (an entry measured on another machine), else the table's entry for the running jax."""
@@ -79,9 +92,12 @@ def current_tuning() -> Tuning:
     return given
 
 
-def tuning(version: tuple[int, ...] | None = None) -> Tuning:
-    """The entry for ``version`` (default: the running jax): the newest measured on a version not
-    newer than it, or the oldest entry for older versions."""
+def tuning(version: tuple[int, ...] | None = None, platform: str | None = None) -> Tuning:
+    """The entry for ``version`` (default: the running jax) on ``platform`` (default: JAX's
+    default backend, where realize's program will run): :data:`GPU` on ``"gpu"``, else the newest
+    entry measured on a version not newer than ``version``, or the oldest for older versions."""
+    if (jax.default_backend() if platform is None else platform) == "gpu":
+        return GPU
     v = C.JAX_VERSION if version is None else tuple(version)
     entry = TABLE[0][1]
     for measured_on, t in TABLE:
