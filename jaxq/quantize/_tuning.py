@@ -74,8 +74,8 @@ TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
 
 GPU = Tuning(float_carry_max_rows=0, s8_conv_min_channels=0, s8_pad_single_row=False, s8_conv=False)
 """The entry on a GPU (any jax version). Only ``s8_conv`` is a fact (seen on an H100 with jax
-0.11.2); the rest is not measured: matmuls of every size run XLA:GPU's s8 dot (cuBLAS), since the
-one-row routes above work around XLA:CPU kernels."""
+0.11.2); the rest is not measured: matmuls of every size run XLA:GPU's s8 dot, since the one-row
+routes above work around XLA:CPU kernels."""
 
 
 def current_tuning() -> Tuning:
