@@ -147,6 +147,24 @@ def test_attention_products_export_as_batched_matmuls():
     np.testing.assert_allclose(fn(q, k, v), attention(q, k, v), rtol=1e-5, atol=1e-6)
 
 
+def test_a_broadcast_that_only_adds_unit_axes_is_one_reshape():
+    """``x.mean(-1, keepdims=True)`` broadcasts ``[B, T]`` to ``[B, T, 1]``: a Reshape, with no
+    Expand to the shape it already has (an extra copy per layer norm in ONNX Runtime)."""
+    x = np.random.default_rng(3).normal(size=(2, 5, 8)).astype(np.float32)
+    f = lambda x: (x - x.mean(-1, keepdims=True)) * 2.0
+    P.register_backend_support("ort", "onnxruntime")
+    try:
+        passes = [P.annotate_target(["ort"]), P.merge_compiler_regions(), P.partition_graph()]
+        prog = Sequential(passes)(jaxq.trace(f, x))
+        (region,) = P.regions(prog)
+        ops = [n.op_type for n in P.export_onnx(region.program()).graph.node]
+        got = jaxq.build(prog, backends={"ort": "onnxruntime"})(x)
+    finally:
+        P.unregister_compiler("ort")
+    assert "Expand" not in ops and ops.count("Reshape") == 1, ops
+    np.testing.assert_allclose(np.asarray(got), np.asarray(f(x)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "f",
     [

@@ -513,8 +513,8 @@ class _Exporter:
             for i, d in enumerate(dims):
                 expanded[d] = shaped_aval(e.invars[0]).shape[i]
             r = self.node("Reshape", [ins[0], self.const(expanded, np.int64)])
-            if e.outvars[0] in self.broadcasting:  # its users broadcast it themselves
-                return r
+            if e.outvars[0] in self.broadcasting or expanded == list(shape):
+                return r  # its users broadcast it themselves, or it only adds unit axes
             return self.node("Expand", [r[0], self.const(shape, np.int64)])
         if name in ("reshape", "squeeze", "expand_dims"):  # (of a constant: a constant)
             return [self.reshape(ins[0], out_aval.shape)]
