@@ -175,6 +175,31 @@ def test_layer_norm_is_one_kernel_within_float_rounding(affine):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("rows", [15, 40])
+def test_a_layer_norm_times_constant_columns_is_a_second_layer_norm(rows):
+    """SmoothQuant's factors multiply a layer norm's output that a residual sum also reads: in
+    a tensor of few rows (a sentence), the product is one more ``LayerNormalization`` of the same
+    centered input, with the factors in its scale and bias, instead of a ``Mul`` pass (in larger
+    ones the multiply is the cheaper pass)."""
+    scale, bias, c = RNG.normal(size=(3, 48)).astype(np.float32)
+    x = (RNG.normal(size=(rows // 5, 5, 48)) * 3 + 100).astype(np.float32)
+    x[0, 0, 3], x[1, 0] = np.nan, 7.0
+
+    def f(x):
+        h = layer_norm(x, scale, bias)
+        return h + x, h * c
+
+    run = onnx_codegen(jaxq.trace(f, x))
+    got = [np.asarray(y) for y in run(x)]
+    ops = [n.op_type for n in run.model.graph.node]
+    folded = rows <= 32
+    assert ops.count("LayerNormalization") == 1 + folded and ("Mul" in ops) != folded, ops
+    for g, w in zip(got, jax.jit(f)(x), strict=True):
+        w = np.asarray(w)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("affine", [True, False])
 def test_flax_layer_norm_is_one_kernel_within_float_rounding(affine):
     # (Flax computes the variance as max(E[x^2] - mean^2, 0) and multiplies its scale into the
