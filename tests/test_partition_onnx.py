@@ -147,22 +147,39 @@ def test_attention_products_export_as_batched_matmuls():
     np.testing.assert_allclose(fn(q, k, v), attention(q, k, v), rtol=1e-5, atol=1e-6)
 
 
-def test_a_broadcast_that_only_adds_unit_axes_is_one_reshape():
-    """``x.mean(-1, keepdims=True)`` broadcasts ``[B, T]`` to ``[B, T, 1]``: a Reshape, with no
-    Expand to the shape it already has (an extra copy per layer norm in ONNX Runtime)."""
-    x = np.random.default_rng(3).normal(size=(2, 5, 8)).astype(np.float32)
-    f = lambda x: (x - x.mean(-1, keepdims=True)) * 2.0
+def exported_ops(f, *args):
+    """The op types of ``f`` exported whole for ONNX Runtime, and what ONNX Runtime computes."""
     P.register_backend_support("ort", "onnxruntime")
     try:
         passes = [P.annotate_target(["ort"]), P.merge_compiler_regions(), P.partition_graph()]
-        prog = Sequential(passes)(jaxq.trace(f, x))
+        prog = Sequential(passes)(jaxq.trace(f, *args))
         (region,) = P.regions(prog)
         ops = [n.op_type for n in P.export_onnx(region.program()).graph.node]
-        got = jaxq.build(prog, backends={"ort": "onnxruntime"})(x)
+        return ops, jaxq.build(prog, backends={"ort": "onnxruntime"})(*args)
     finally:
         P.unregister_compiler("ort")
+
+
+def test_a_broadcast_that_only_adds_unit_axes_is_one_reshape():
+    """``x.max(-1, keepdims=True)`` broadcasts ``[B, T]`` to ``[B, T, 1]``: a Reshape, with no
+    Expand to the shape it already has (an extra copy in ONNX Runtime)."""
+    x = np.random.default_rng(3).normal(size=(2, 5, 8)).astype(np.float32)
+    f = lambda x: (x - x.max(-1, keepdims=True)) * 2.0
+    ops, got = exported_ops(f, x)
     assert "Expand" not in ops and ops.count("Reshape") == 1, ops
-    np.testing.assert_allclose(np.asarray(got), np.asarray(f(x)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(x)))
+
+
+@pytest.mark.parametrize("axis, keepdims", [(-1, True), (-1, False), (1, True)])
+def test_a_mean_over_the_last_axis_is_one_reduce_mean(axis, keepdims):
+    """``x.mean(-1)`` (a layer norm's centering) is one ``ReduceMean``, not ``ReduceSum``,
+    ``Reshape`` and ``Div``; a mean over another axis keeps those."""
+    x = np.random.default_rng(4).normal(size=(2, 5, 8)).astype(np.float32)
+    f = lambda x: x.mean(axis, keepdims=keepdims) * 2.0
+    ops, got = exported_ops(f, x)
+    last = axis == -1
+    assert ("ReduceMean" in ops) == last and ("ReduceSum" in ops) != last, ops
+    np.testing.assert_allclose(np.asarray(got), np.asarray(f(x)), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(

@@ -486,6 +486,8 @@ class _Exporter:
             return [norm]
         if name == "mul" and self.fuse and (norm := self.scaled_norm(e)) is not None:
             return [norm]
+        if name in ("div", "mul") and self.fuse and (mean := self.mean(e)) is not None:
+            return [mean]
         if name == "div" and self.fuse and (logits := self.softmax(e)) is not None:
             return self.node("Softmax", [self.name_of(logits)], axis=-1)
         known = [not C.is_literal(v) and v in self.bounded for v in e.invars]
@@ -965,6 +967,25 @@ class _Exporter:
         x = total.invars[0]
         last = (shaped_aval(x).ndim - 1,)
         return x if tuple(total.params["axes"]) == last and shaped_aval(x).shape[-1] == n else None
+
+    def mean(self, e: C.JaxprEqn) -> str | None:
+        """``sum(x, last axis) / n`` (or ``* (1 / n)``) of float32 ``x``, the axis kept or not, as
+        one ``ReduceMean`` (a layer norm's centering: ``ReduceSum``, ``Reshape`` and ``Div``
+        made MiniLM's W8A8+SQ region 2.4% slower in ONNX Runtime at batch 1, 1.8% at 16). None:
+        not that pattern."""
+        total = self.graph.made_by(self.unshaped(e.invars[0]), "reduce_sum")
+        x = None if total is None else total.invars[0]
+        xs = () if x is None else shaped_aval(x).shape
+        if not xs or np.dtype(shaped_aval(x).dtype) != np.float32:
+            return None
+        if self.mean_of(e.outvars[0], xs[-1]) is not x:
+            return None
+        out = tuple(shaped_aval(e.outvars[0]).shape)
+        keep = out == (*xs[:-1], 1)
+        if not keep and out != tuple(xs[:-1]):
+            return None
+        axes = self.const([len(xs) - 1], np.int64)
+        return self.node("ReduceMean", [self.name_of(x), axes], keepdims=int(keep))[0]
 
     def centered(self, v: Any, n: int) -> tuple[Any, Any] | None:
         """``(x, mean)`` where ``v`` is ``x - mean(x)`` over the last axis (``mean`` unshaped)."""
