@@ -200,6 +200,45 @@ def test_a_layer_norm_times_constant_columns_is_a_second_layer_norm(rows):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
 
 
+def test_a_jitted_block_called_twice_is_exported_from_what_holds_at_each_call():
+    """A jitted function called twice inlines the same body twice: its layer norm matched at the
+    first call (constant scale) and not at the second (the scale an input), whose product with
+    constant columns must not be built from the first call's layer norm."""
+    cols, const_scale = np.arange(1, 9, dtype=np.float32), np.full(8, 2.0, np.float32)
+
+    @jax.jit
+    def block(x, s):
+        d = x - x.mean(-1, keepdims=True)
+        y = d * lax.rsqrt((d * d).mean(-1, keepdims=True) + 1e-5) * s
+        return y * cols, y + x
+
+    def f(x, s):
+        a = block(x, const_scale)
+        return block(a[1] * a[1], s)[0]
+
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    s = np.full(8, 0.5, np.float32)
+    run = onnx_codegen(jaxq.trace(f, x, s))
+    (got,) = run(x, s)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(x, s)), rtol=1e-5, atol=1e-5)
+
+
+def test_constant_columns_folded_past_float32_stay_a_multiply():
+    """Scale and bias times the columns overflow float32 where XLA's ``(y * s + b) * c`` does
+    not everywhere: the multiply stays."""
+    n = 8
+    scale, bias, c = (np.full(n, v, np.float32) for v in (1e30, -1e30, 1e9))
+
+    def f(x):
+        return layer_norm(x, scale, bias, 1e-5) * c, layer_norm(x, scale, bias, 1e-5) + x
+
+    x = np.array([[1, -1] * 4], np.float32)
+    run = onnx_codegen(jaxq.trace(f, x))
+    got, want = np.asarray(run(x)[0]), np.asarray(jax.jit(f)(x)[0])
+    assert "Mul" in {n.op_type for n in run.model.graph.node}
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("affine", [True, False])
 def test_flax_layer_norm_is_one_kernel_within_float_rounding(affine):
     # (Flax computes the variance as max(E[x^2] - mean^2, 0) and multiplies its scale into the

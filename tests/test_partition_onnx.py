@@ -170,16 +170,20 @@ def test_a_broadcast_that_only_adds_unit_axes_is_one_reshape():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(f(x)))
 
 
-@pytest.mark.parametrize("axis, keepdims", [(-1, True), (-1, False), (1, True)])
-def test_a_mean_over_the_last_axis_is_one_reduce_mean(axis, keepdims):
+@pytest.mark.parametrize(
+    "axis, keepdims, n", [(-1, True, 8), (-1, False, 8), (1, True, 8), (-1, True, 0)]
+)
+def test_a_mean_over_the_last_axis_is_one_reduce_mean(axis, keepdims, n):
     """``x.mean(-1)`` (a layer norm's centering) is one ``ReduceMean``, not ``ReduceSum``,
-    ``Reshape`` and ``Div``; a mean over another axis keeps those."""
-    x = np.random.default_rng(4).normal(size=(2, 5, 8)).astype(np.float32)
-    f = lambda x: x.mean(axis, keepdims=keepdims) * 2.0
+    ``Reshape`` and ``Div``; a mean over another axis keeps those, and so does a mean over an
+    empty axis (NaN, where ``ReduceMean`` gives 0)."""
+    x = np.random.default_rng(4).normal(size=(2, 5, n)).astype(np.float32)
+    f = lambda x: jnp.mean(x, axis, keepdims=keepdims) * 2.0
     ops, got = exported_ops(f, x)
-    last = axis == -1
+    last = axis == -1 and n > 0
     assert ("ReduceMean" in ops) == last and ("ReduceSum" in ops) != last, ops
-    np.testing.assert_allclose(np.asarray(got), np.asarray(f(x)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(x)), rtol=1e-6, atol=1e-7)
+    assert np.isnan(np.asarray(got)).all() == (n == 0)
 
 
 @pytest.mark.parametrize(

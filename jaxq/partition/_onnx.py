@@ -28,7 +28,7 @@ import hashlib
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -408,6 +408,7 @@ class _Exporter:
             env[v] = self.const(c)
         env.update(zip(jaxpr.invars, args, strict=True))
         self.broadcasting |= _broadcast_only(jaxpr)
+        self.forget(v for e in jaxpr.eqns for v in e.outvars)
         outer = self.graph, self.env
         self.graph, self.env = _Uses(jaxpr.eqns, jaxpr.outvars), env
 
@@ -441,6 +442,13 @@ class _Exporter:
         self.graph, self.env = outer
         return outs
 
+    def forget(self, variables: Iterable[Any]) -> None:
+        """Drop what is known of ``variables``: a jitted function called twice inlines the same
+        body (the same variables) twice, and what held at one call need not at the next."""
+        for v in variables:
+            for known in (self.bounded, self.rows, self.same_rows, self.norms, self.finite_like):
+                known.pop(v, None)
+
     def value(self, a: Any) -> np.ndarray | None:
         """The value of a literal or of a constant (an initializer) of the current jaxpr, also
         reshaped or broadcast (where a rule looks ahead of the equations written so far)."""
@@ -467,6 +475,7 @@ class _Exporter:
         out_aval = shaped_aval(e.outvars[0])
         body = C.inline_body(e)
         if body is not None:
+            self.forget(body.jaxpr.invars)
             for pair in zip(e.invars, body.jaxpr.invars, strict=True):
                 self.carry(*pair, 1.0)  # (bounds and NaN rows across the call)
             outs = self.run(body.jaxpr, body.consts, ins)
@@ -976,8 +985,8 @@ class _Exporter:
         total = self.graph.made_by(self.unshaped(e.invars[0]), "reduce_sum")
         x = None if total is None else total.invars[0]
         xs = () if x is None else shaped_aval(x).shape
-        if not xs or np.dtype(shaped_aval(x).dtype) != np.float32:
-            return None
+        if not xs or not xs[-1] or np.dtype(shaped_aval(x).dtype) != np.float32:
+            return None  # (an empty axis: ReduceMean gives 0 where 0 / 0 is NaN)
         if self.mean_of(e.outvars[0], xs[-1]) is not x:
             return None
         out = tuple(shaped_aval(e.outvars[0]).shape)
@@ -1110,9 +1119,13 @@ class _Exporter:
                 continue
             d, scale, bias, eps = norm
             col = np.broadcast_to(col, scale.shape)
+            with np.errstate(over="ignore"):
+                folded = scale * col, bias * col
+            if not all(np.all(np.isfinite(f)) for f in folded):
+                continue  # (a product past float32's range: the multiply stays)
             out = self.node(
                 "LayerNormalization",
-                [d, self.const(scale * col), self.const(bias * col)],
+                [d, self.const(folded[0]), self.const(folded[1])],
                 axis=-1,
                 epsilon=eps,
             )[0]
