@@ -349,9 +349,14 @@ def _conv_in_chunks(
     product is at most ``per_product``), rounded (a float algorithm off by less than 0.5 still
     gives the integer) and added in int32."""
     dn = p["dimension_numbers"]
-    per_channel = math.prod(wc.shape[d] for d in dn.rhs_spec[2:]) * per_product
+    positions = math.prod(wc.shape[d] for d in dn.rhs_spec[2:])
+    per_channel = positions * per_product
     if p["feature_group_count"] != 1 or per_channel >= 2**24:
-        what = "grouped convolution" if p["feature_group_count"] != 1 else "kernel of one channel"
+        what = (
+            "grouped convolution"
+            if p["feature_group_count"] != 1
+            else f"kernel of {positions} positions per input channel"
+        )
         raise QuantizeError(
             f"realize: the integer sums of {site.name!r} can reach 2**24 (a {what}), and this "
             "platform has no int8 convolution to hold them (a GPU): use fewer bits for this "
