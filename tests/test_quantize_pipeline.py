@@ -394,6 +394,18 @@ def test_fixed_point_matches_numpy_reference():
             Q(layer_of, W1, calibration=[(X,)], config=cfg, mode=mode)
 
 
+def test_fixed_point_layer_with_an_empty_output_realizes():
+    """A convolution whose kernel is taller than its input has no output to requantize (and no
+    calibrated output scale): realize gives its empty result instead of asking to calibrate."""
+    x = np.ones((1, 4, 4, 4), np.float32)
+    k = np.ones((5, 1, 4, 8), np.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+    f = lambda v: lax.conv_general_dilated(v, k, (1, 1), "VALID", dimension_numbers=dn)
+    with pytest.warns(UserWarning, match="degenerate range"):
+        qf = Q(f, calibration=[(x,)], config=QConfig(requantize="fixed_point"), progress=False)
+    assert np.asarray(qf(x)).shape == (1, 0, 4, 8)
+
+
 def layer_of(w, v):
     with jax.named_scope("L"):
         return v @ w

@@ -692,7 +692,9 @@ def realize_handler(state: QState) -> SiteHandler:
         if swap is not None and bad is not None and bad.ndim:
             bad = jnp.transpose(bad, [int(d) for d in np.argsort(swap)])
         out = state.act.get(site.name + ":out")
-        if config.requantize == "fixed_point":
+        size = shaped_aval(visit.eqn.outvars[0]).size
+        empty = isinstance(size, int) and size == 0  # (no output to requantize, nor a scale)
+        if config.requantize == "fixed_point" and not empty:
             if out is None:
                 raise QuantizeError(
                     f"realize: requantize='fixed_point' needs the output scale of {site.name!r}; "
