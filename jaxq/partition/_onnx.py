@@ -1818,7 +1818,7 @@ class OrtRegion:
     C++ crossing builds, else through ``jax.pure_callback`` (see above). On other platforms (a
     GPU) the operands cross to the host through ``jax.pure_callback``: the FFI handler reads host
     memory, so it is registered for XLA:CPU only, and ``lax.platform_dependent`` picks the
-    crossing when the program is lowered for its device."""
+    crossing when the program is lowered for its device (an eager call: by its arrays' device)."""
 
     def __init__(self, region: Program, model: Any) -> None:
         self.model = model
@@ -1868,7 +1868,15 @@ class OrtRegion:
             return self._host(*args)
         native = lambda *a: list(self._native(self._result, *a))
         host = lambda *a: list(self._host(*a))
-        return lax.platform_dependent(*args, cpu=native, default=host)
+        if any(C.is_tracer(a) for a in args):  # (the platform is known when lowering)
+            return lax.platform_dependent(*args, cpu=native, default=host)
+        # an eager call (no cond to dispatch: it cost 40 us a call): where its arrays are
+        on_cpu = all(
+            d.platform == "cpu"
+            for a in args
+            for d in (a.devices() if isinstance(a, jax.Array) else [jax.devices()[0]])
+        )
+        return native(*args) if on_cpu else host(*args)
 
 
 def onnx_codegen(region: Program, *, exact: bool = False) -> OrtRegion:
