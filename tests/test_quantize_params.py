@@ -108,6 +108,7 @@ def test_realized_params_equal_closure_style_bit_for_bit():
     assert np.abs(y - ref).max() < 0.05 * np.abs(ref).max()
 
 
+@pytest.mark.xla_cpu
 def test_weights_are_arguments_not_constants():
     qf = realized()
     jaxpr = jax.make_jaxpr(qf.apply)(qf.params, X)
@@ -543,6 +544,7 @@ def test_convolution_params_equal_closure_style(wsym, padding):
     )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("wsym, chunks", [(True, 3), (False, 6)])
 def test_without_an_s8_convolution_the_sums_run_in_f32_channel_chunks(wsym, chunks):
     """XLA:GPU has no int8 x int8 -> int32 convolution (the program failed to compile on an
@@ -569,6 +571,38 @@ def test_without_an_s8_convolution_the_sums_run_in_f32_channel_chunks(wsym, chun
     with PassContext(config={"quantize.tuning": dataclasses.replace(gpu, s8_conv=True)}):
         s8 = jax.jit(qf.apply)(qf.params, imgs)
         assert "preferred_element_type=int32" in str(jax.make_jaxpr(qf.apply)(qf.params, imgs))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(s8))
+
+
+@pytest.mark.xla_cpu
+@pytest.mark.parametrize("granularity", ["channel", "group"])
+def test_without_a_sound_s8_dot_the_sums_run_in_f32_chunks(granularity):
+    """XLA:GPU's int8 dot gave wrong sums for some shapes (an H200), so the GPU tuning carries
+    every int8 dot's sums in f32, in chunks of the contracted axis short enough that each sum
+    stays below 2**24 (1100 int8 products can reach it): the weights' dot, group-wise, and an
+    attention-style product of two activations; the integers are those of the s8 dot."""
+    gpu = Q.tuning(platform="gpu")
+    assert not gpu.s8_dot and Q.tuning(platform="cpu").s8_dot
+    rng = np.random.default_rng(10)
+    w = (rng.normal(size=(1100, 8)) * 0.1).astype(np.float32)
+    x = rng.normal(size=(2, 3, 1100)).astype(np.float32)
+
+    def f(p, x):
+        h = x @ p["w"]
+        return jnp.einsum("btd,bsd->bts", h, h)
+
+    cfg = QConfig(
+        weights=Scheme(granularity=granularity, group_size=550 if granularity == "group" else None),
+        attention=Scheme(granularity="token"),
+    )
+    qf = Q(f, {"w": w}, calibration=[(x,)], config=cfg, progress=False)
+    with PassContext(config={"quantize.tuning": gpu}):
+        jaxpr = str(jax.make_jaxpr(qf.apply)(qf.params, x))
+        got = jax.jit(qf.apply)(qf.params, x)
+    assert "preferred_element_type=int32" not in jaxpr
+    assert jaxpr.count("dot_general[") == (3 if granularity == "channel" else 2)
+    with PassContext(config={"quantize.tuning": dataclasses.replace(gpu, s8_dot=True)}):
+        s8 = jax.jit(qf.apply)(qf.params, x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(s8))
 
 

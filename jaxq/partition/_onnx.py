@@ -1503,7 +1503,8 @@ class _Exporter:
         mask = np.full(shape, c, np.int32)
         pad = self.graph.made_by(e.invars[0], "pad")
         w = np.asarray(self.value(e.invars[1]), np.int32)
-        with jax.ensure_compile_time_eval():  # (the exporter may run while jit traces)
+        # (the exporter may run while jit traces; on the CPU: a GPU has no int32 convolution)
+        with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
             if fill is not None and pad is not None:
                 cfg = [(lo, hi, 0) for lo, hi, _ in pad.params["padding_config"]]
                 mask = np.asarray(jax.lax.pad(mask, np.int32(fill.reshape(())), cfg))

@@ -51,6 +51,7 @@ from jaxq.quantize._chains import (
     sample_mask,
 )
 from jaxq.quantize._config import Scheme
+from jaxq.quantize._intsums import int_dot
 from jaxq.quantize._kvcache import KVCache, cache_carries
 from jaxq.quantize._observers import pool
 from jaxq.quantize._params import (
@@ -496,12 +497,7 @@ class Engine:
         ql, qr = codes(lhs, sl, zero, scheme), codes(rhs, sr, zero, scheme)
         if self.mode == "simulate":
             return visit.bind((ql * sl).astype(lhs.dtype), (qr * sr).astype(rhs.dtype))
-        acc = lax.dot_general(
-            int8_codes(ql),
-            int8_codes(qr),
-            visit.params["dimension_numbers"],
-            preferred_element_type=jnp.int32,
-        )
+        acc = int_dot(int8_codes(ql), int8_codes(qr), visit.params["dimension_numbers"], visit.name)
         if token:
             l_free = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
             r_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]

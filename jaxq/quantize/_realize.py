@@ -45,6 +45,7 @@ from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._arith import act_qparams, codes, int8_codes, storage_offset
 from jaxq.quantize._chains import QTensor, few_rows
 from jaxq.quantize._config import QConfig
+from jaxq.quantize._intsums import F32_EXACT, int_dot, sums_in_chunks
 from jaxq.quantize._lower import SiteHandler, lower
 from jaxq.quantize._qarray import nibbles
 from jaxq.quantize._qarray import pack_axis as pack_axis
@@ -219,7 +220,7 @@ def _int_dot(
     pad_rows = one_row and (tune.s8_pad_single_row or few)
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
     ops = (qa_in, wq) if wi == 1 else (wq, qa_in)
-    acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.int32)
+    acc = int_dot(*ops, dn, site.name)
     if pad_rows:
         acc = lax.slice_in_dim(acc, 0, 1, axis=0)
     return (*_dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract), False)
@@ -282,11 +283,8 @@ def _int_dot_grouped(
     lead = qa_t.shape[:-1]
     qa_g = qa_t.reshape(*lead, groups, g)
     nd = qa_g.ndim
-    acc = lax.dot_general(
-        qa_g,
-        wq.reshape(groups, g, n),
-        (((nd - 1,), (1,)), ((nd - 2,), (0,))),
-        preferred_element_type=jnp.int32,
+    acc = int_dot(
+        qa_g, wq.reshape(groups, g, n), (((nd - 1,), (1,)), ((nd - 2,), (0,))), site.name
     )  # [G, lead..., N]
     expand = (1,) * len(lead)
     # per-token values ([lead..., 1] after moving the contracted axis last) gain the group dim
@@ -344,14 +342,13 @@ def _conv_by_taps(x: jax.Array, w: jax.Array, p: Any, out_shape: tuple[int, ...]
 def _conv_in_chunks(
     site: Site, xc: jax.Array, wc: jax.Array, conv: Any, p: Any, per_product: int
 ) -> jax.Array:
-    """The integer sums of a convolution of centered f32 codes, exact beyond 2**24: f32
-    convolutions of input-channel chunks small enough that each sum stays below 2**24 (each
-    product is at most ``per_product``), rounded (a float algorithm off by less than 0.5 still
-    gives the integer) and added in int32."""
+    """The integer sums of a convolution of centered f32 codes without an int8 convolution:
+    f32 convolutions of input-channel chunks (``sums_in_chunks``; each product at most
+    ``per_product``)."""
     dn = p["dimension_numbers"]
     positions = math.prod(wc.shape[d] for d in dn.rhs_spec[2:])
     per_channel = positions * per_product
-    if p["feature_group_count"] != 1 or per_channel >= 2**24:
+    if p["feature_group_count"] != 1 or per_channel >= F32_EXACT:
         what = (
             "grouped convolution"
             if p["feature_group_count"] != 1
@@ -362,20 +359,15 @@ def _conv_in_chunks(
             "platform has no int8 convolution to hold them (a GPU): use fewer bits for this "
             "layer, or skip it with a Rule"
         )
-    c_in = xc.shape[dn.lhs_spec[1]]
-    step = max(1, (2**24 - 1) // per_channel)
-    acc = None
-    for lo in range(0, c_in, step):
-        hi = min(lo + step, c_in)
-        part = conv(
+    return sums_in_chunks(
+        lambda lo, hi: conv(
             lax.slice_in_dim(xc, lo, hi, axis=dn.lhs_spec[1]),
             lax.slice_in_dim(wc, lo, hi, axis=dn.rhs_spec[1]),
             None,
-        )
-        part = jnp.round(part).astype(jnp.int32)
-        acc = part if acc is None else acc + part
-    assert acc is not None  # a convolution has at least one input channel
-    return acc
+        ),
+        xc.shape[dn.lhs_spec[1]],
+        per_channel,
+    )
 
 
 _EPILOGUE = ("add", "sub", "mul", "max", "min", "custom_jvp_call", "pjit", "jit")

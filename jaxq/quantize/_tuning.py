@@ -51,6 +51,11 @@ class Tuning:
     operands to s32, which cuDNN does not convolve: the program fails to compile), so there every
     convolution carries its exact integer sums in f32, in input-channel chunks whose sums stay
     below 2**24, added in int32."""
+    s8_dot: bool = True
+    """The platform's int8 x int8 -> int32 dot gives exact sums. XLA:GPU's did not for some
+    shapes (jax 0.11.2 on an H200: a contraction of 3 run by cuBLAS, an 18 x 16 x 8 dot fused
+    into a Triton GEMM), so there the sums of every int8 dot are carried in f32 as well, in
+    chunks of the contracted axis."""
 
 
 TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
@@ -72,10 +77,16 @@ TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
 )
 
 
-GPU = Tuning(float_carry_max_rows=0, s8_conv_min_channels=0, s8_pad_single_row=False, s8_conv=False)
-"""The entry on a GPU (any jax version). Only ``s8_conv`` is a fact (seen on an H100 with jax
-0.11.2); the rest is not measured: matmuls of every size run XLA:GPU's s8 dot, since the one-row
-routes above work around XLA:CPU kernels."""
+GPU = Tuning(
+    float_carry_max_rows=0,
+    s8_conv_min_channels=0,
+    s8_pad_single_row=False,
+    s8_conv=False,
+    s8_dot=False,
+)
+"""The entry on a GPU (any jax version). ``s8_conv`` and ``s8_dot`` are facts (seen on an H100 and
+an H200 with jax 0.11.2); the rest is not measured (the one-row routes above work around XLA:CPU
+kernels)."""
 
 
 def current_tuning() -> Tuning:
