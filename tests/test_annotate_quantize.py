@@ -165,6 +165,7 @@ def test_half_up_is_exact_below_one_half():
         assert float(A.simulated_quantize(-x, 1.0, rounding=rounding)) == 0.0
 
 
+@pytest.mark.xla_cpu
 def test_eager_numpy_input_matches_jit_on_a_tie():
     # float32 1.4262407 / 0.028812943 is exactly 49.5, but XLA divides by a broadcast scale as
     # x * (1 / s) = 49.499996: an eager call on numpy arrays must not take numpy's divide.

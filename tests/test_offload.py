@@ -47,6 +47,7 @@ def codes(rng, shape, dtype=np.int8):
     st.sampled_from([np.int8, np.uint8]),  # activation codes
     st.integers(0, 2**16),
 )
+@pytest.mark.xla_cpu
 def test_int8_dots_equal_xla_bit_for_bit(m, k, n, batched, transposed, a_dtype, seed):
     rng = np.random.default_rng(seed)
     b = (3,) if batched else ()
@@ -71,6 +72,7 @@ def test_int8_dots_equal_xla_bit_for_bit(m, k, n, batched, transposed, a_dtype, 
     st.sampled_from([1, 2]),  # feature groups
     st.integers(0, 2**16),
 )
+@pytest.mark.xla_cpu
 def test_int8_convolutions_equal_xla_bit_for_bit(dn, ks, strides, dil, pad, groups, seed):
     # (padded positions: 0 in XLA; the zero point of the uint8-shifted codes in ONNX Runtime)
     rng = np.random.default_rng(seed)
@@ -223,6 +225,7 @@ def test_a_jitted_block_called_twice_is_exported_from_what_holds_at_each_call():
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(x, s)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.xla_cpu
 def test_constant_columns_folded_past_float32_stay_a_multiply():
     """Scale and bias times the columns overflow float32 where XLA's ``(y * s + b) * c`` does
     not everywhere: the multiply stays."""
@@ -428,6 +431,7 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     st.booleans(),  # a leading axis ([2, rows, k] x [k, n], as a dense layer on tokens)
     st.integers(0, 2**16),
 )
+@pytest.mark.xla_cpu
 def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
     m, k, n, a_dtype, c, per_column, tail, wrong, lead, seed
 ):
@@ -674,6 +678,7 @@ def test_float_ops_between_layers_round_differently_within_the_stated_bound():
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
+@pytest.mark.xla_cpu
 def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
     rng = np.random.default_rng(1)
     params = {

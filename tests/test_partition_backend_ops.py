@@ -211,6 +211,7 @@ def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))
 
 
+@pytest.mark.xla_cpu
 def test_a_clipped_cast_to_int8_feeding_an_int8_dot_truncates_as_xla():
     """A float clipped into int8's range and cast (not rounded first) feeds an int8 dot: the
     exporter took the clipped floats for whole numbers and shifted them into uint8 by a Cast

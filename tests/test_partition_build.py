@@ -167,8 +167,9 @@ def placed(x):
     return a + 1.0, b, x * 3.0  # add follows its operand (cpu:2); x * 3 stays on cpu:0
 
 
+@pytest.mark.xla_cpu
 def test_plan_devices_makes_segments_and_explicit_copies():
-    prog = P.plan_devices()(jaxq.trace(placed, X))
+    prog = P.plan_devices(default="cpu:0")(jaxq.trace(placed, X))
     eqns = prog.jaxpr.jaxpr.eqns
     kinds = [e.params.get("name", e.primitive.name) for e in eqns]
     assert kinds == [
@@ -191,10 +192,11 @@ def test_plan_devices_makes_segments_and_explicit_copies():
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.xla_cpu
 def test_placed_program_runs_on_the_requested_devices():
-    prog = P.plan_devices()(jaxq.trace(placed, X))
+    prog = P.plan_devices(default="cpu:0")(jaxq.trace(placed, X))
     a1, b, x3 = P.build(prog)(X)
-    devs = jax.devices()
+    devs = jax.devices("cpu")
     assert a1.devices() == {devs[2]}
     assert b.devices() == {devs[1]}
     assert x3.devices() == {devs[0]}
@@ -205,9 +207,9 @@ def test_placed_program_runs_on_the_requested_devices():
 
 
 def test_on_device_of_an_input_is_a_copy():
-    prog = P.plan_devices()(jaxq.trace(lambda x: on_device(x, "cpu:3"), X))
+    prog = P.plan_devices(default="cpu:0")(jaxq.trace(lambda x: on_device(x, "cpu:3"), X))
     (out,) = jax.tree.leaves(P.build(prog)(X))
-    assert out.devices() == {jax.devices()[3]}
+    assert out.devices() == {jax.devices("cpu")[3]}
     np.testing.assert_array_equal(out, X)
 
 
@@ -221,11 +223,11 @@ def test_placement_with_regions_on_a_backend(mlp_program, monkeypatch):
     def f(x):
         return on_device(mlp(x), "cpu:1")
 
-    prog = P.plan_devices()(partitioned(f, (X,), "A"))
+    prog = P.plan_devices(default="cpu:0")(partitioned(f, (X,), "A"))
     assert [r.name for r in P.regions(prog)] == ["A_f_0", "A_f_1"]  # inside the segment
     out = P.build(prog, backends={"A": "host"})(X)
     assert len(calls) == 2
-    assert out.devices() == {jax.devices()[1]}
+    assert out.devices() == {jax.devices("cpu")[1]}
     np.testing.assert_allclose(out, mlp(X), rtol=1e-5, atol=1e-6)
 
 

@@ -43,6 +43,7 @@ def partitioned():
     )
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("crossing", ["ffi", "pure_callback"])
 def test_regions_run_in_onnxruntime(crossing, monkeypatch):
     from jaxq.partition import _ort_ffi

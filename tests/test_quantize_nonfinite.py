@@ -98,6 +98,7 @@ def test_a_one_row_batch_is_nan_too(kind, bad):
         np.testing.assert_array_equal(row, np.asarray(jax.jit(qf)(X))[2:3])
 
 
+@pytest.mark.xla_cpu
 def test_a_one_row_batch_needs_no_nan_mask():
     # the second layer's input is not carried as int8 codes from the first (a chain needs a NaN
     # mask, a reduction): at one row both layers quantize floats into f32 codes that hold NaN
@@ -119,6 +120,7 @@ def test_a_nonfinite_sample_of_a_convolution_is_nan_and_the_others_do_not_change
     np.testing.assert_array_equal(got[:2], want[:2])
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_nan_rows_false_drops_the_check_and_nothing_else(model):
     f, params, x = (mlp, {"w1": W1, "w2": W2}, X) if model == "mlp" else (cnn, {"k": K}, IMG)

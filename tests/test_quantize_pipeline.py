@@ -292,10 +292,11 @@ def test_one_row_matmul_routes_give_the_same_integers(carry, pad):
 
 def test_tuning_table_is_chosen_by_version_and_can_be_given():
     table = TUNING_TABLE
-    assert Q.tuning((0, 0, 1)) == table[0][1]  # older than every entry: the oldest
-    assert Q.tuning((99, 0, 0)) == table[-1][1]
+    cpu = lambda version: Q.tuning(version, "cpu")
+    assert cpu((0, 0, 1)) == table[0][1]  # older than every entry: the oldest
+    assert cpu((99, 0, 0)) == table[-1][1]
     for version, entry in table:
-        assert Q.tuning(version) == entry
+        assert cpu(version) == entry
     with pinned("fast"), pytest.raises(TypeError, match="quantize.tuning.*Tuning; got str"):
         Q(mlp, calibration=[(X,)], progress=False)
 
@@ -332,6 +333,7 @@ def test_nested_jit_weights_are_found():
 # ---- realize structure -------------------------------------------------------------------------------
 
 
+@pytest.mark.xla_cpu
 def test_realized_program_structure_and_bytes():
     r8 = Q(cnn, calibration=[(XI,)], progress=False)
     r4 = Q(
@@ -577,6 +579,7 @@ def test_pass_through_ops_stay_in_the_integer_domain(pool):
     np.testing.assert_allclose(np.asarray(qf(XI)), np.asarray(sim(XI)), atol=1e-5)
 
 
+@pytest.mark.xla_cpu
 @pytest.mark.parametrize("pool", [False, True], ids=["relu", "relu+pool"])
 def test_a_pooled_convolution_has_its_own_route_to_the_same_integers(pool):
     from jaxq.quantize._realize import pooled_outputs
@@ -853,6 +856,7 @@ def test_s8_convolution_with_zero_point_borders(pad, wasym):
     assert "preferred_element_type=int32" in str(r.program)
 
 
+@pytest.mark.xla_cpu
 def test_an_s8_convolution_after_a_requantize_keeps_int8_operands_when_compiled():
     # realize's codes clamp through jnp.clip: with inline literal bounds XLA:CPU proved the
     # codes' range and compiled the next convolution as s32 x s32, off its int8 kernel (10x

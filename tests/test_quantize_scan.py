@@ -269,6 +269,7 @@ def test_an_nnx_scan_stack_is_quantized_per_layer():
     check_stack(qf, model, ["Model/scan/dot_general", "Model/scan/dot_general_1"])
 
 
+@pytest.mark.xla_cpu
 def test_a_decode_loop_over_a_layer_stack_is_quantized():
     """A scan over steps (weights as its constants) around a scan over layers (stacked): both
     levels are quantized; the step loop's layer is calibrated over all steps."""
@@ -397,6 +398,7 @@ def test_a_tied_table_read_as_floats_is_not_smoothed():
         assert sqnr_db(ref, np.asarray(qf(ids))) > 25
 
 
+@pytest.mark.xla_cpu
 def test_while_loops_and_branches_that_read_params_are_quantized():
     """A ``fori_loop`` with a traced trip count (a while loop) and a ``cond``: their layers get
     int8 weights and static activation scales pooled over every iteration / the branches taken
@@ -603,6 +605,7 @@ def test_stacks_without_calibrated_activations(config):
 # ---- int8 attention (activation x activation matmuls) -------------------------------------------
 
 
+@pytest.mark.xla_cpu
 def test_attention_matmuls_run_int8_with_run_time_scales():
     """``QConfig(attention=...)``: ``Q K^T`` and ``P V`` (no weight operand) run int8 x int8 ->
     int32 with one scale per row of each operand, inside the decode loop too."""
