@@ -606,6 +606,51 @@ def test_without_a_sound_s8_dot_the_sums_run_in_f32_chunks(granularity):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(s8))
 
 
+@pytest.mark.xla_cpu
+def test_without_int8_kernels_merged_axes_and_grouped_convolutions_run_in_chunks():
+    """The f32 routes (found by a helper, which the GPU entry refused): a dot contracting over
+    two axes, the second 1100 long (merged into one axis, then cut), and a convolution of two
+    groups of 100 channels (each group's channels cut alike); a kernel whose one input channel
+    alone can reach 2**24 is refused, naming its positions."""
+    gpu = Q.tuning(platform="gpu")
+    rng = np.random.default_rng(11)
+    dn = ("NHWC", "HWIO", "NHWC")
+    params = {
+        "w": (rng.normal(size=(2, 1100, 8)) * 0.1).astype(np.float32),
+        "k": (rng.normal(size=(3, 3, 100, 16)) * 0.1).astype(np.float32),
+    }
+    x = rng.normal(size=(4, 2, 1100)).astype(np.float32)
+    img = rng.normal(size=(2, 5, 5, 200)).astype(np.float32)
+
+    def f(p, x, img):
+        conv = jax.lax.conv_general_dilated(
+            img, p["k"], (1, 1), "SAME", dimension_numbers=dn, feature_group_count=2
+        )
+        return jnp.einsum("bij,ijk->bk", x, p["w"]), conv
+
+    qf = Q(f, params, config=QConfig(dynamic=True), example_args=(x, img), progress=False)
+    with PassContext(config={"quantize.tuning": gpu}):
+        jaxpr = str(jax.make_jaxpr(qf.apply)(qf.params, x, img))
+        got = jax.jit(qf.apply)(qf.params, x, img)
+    assert "preferred_element_type=int32" not in jaxpr
+    assert jaxpr.count("dot_general[") == 3 and jaxpr.count("conv_general_dilated[") == 2
+    s8 = jax.jit(qf.apply)(qf.params, x, img)
+    for a, b in zip(got, s8, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def long(p, x):
+        return jax.lax.conv_general_dilated(
+            x, p["k"], (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+
+    cfg = QConfig(dynamic=True, weights=Scheme(granularity="channel", symmetric=False))
+    k300 = {"k": rng.normal(size=(300, 1, 2)).astype(np.float32)}
+    qf = Q(long, k300, config=cfg, example_args=(np.ones((1, 320, 1), np.float32),), progress=False)
+    pinned = PassContext(config={"quantize.tuning": gpu})
+    with pinned, pytest.raises(QuantizeError, match="kernel of 300 positions"):
+        qf(np.ones((1, 320, 1), np.float32))
+
+
 @settings(max_examples=8, deadline=None)
 @given(param_models())
 def test_random_param_pytrees_get_straight_through_gradients(case):

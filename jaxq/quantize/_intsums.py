@@ -11,7 +11,6 @@ it, each rounded and added in int32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxq.quantize._state import QuantizeError
 from jaxq.quantize._tuning import current_tuning
 
 F32_EXACT = 2**24
@@ -44,25 +42,22 @@ def sums_in_chunks(part: Callable[[int, int], jax.Array], size: int, per_index: 
     return acc
 
 
-def int_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, name: str) -> jax.Array:
+def int_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> jax.Array:
     """``lax.dot_general`` of int8 codes to their exact int32 sums: XLA's int8 kernel where the
-    tuning says the platform's is sound (``Tuning.s8_dot``), else f32 dots of chunks of the first
-    contracted axis. ``name`` names the layer in the error for a contraction that cannot be cut
-    (several contracted axes whose other axes alone could reach 2**24)."""
+    tuning says the platform's is sound (``Tuning.s8_dot``), else f32 dots of chunks of the
+    contracted axes (merged into one axis first where there are several)."""
     dn = dimension_numbers
     if current_tuning().s8_dot:
         return lax.dot_general(lhs, rhs, dn, preferred_element_type=jnp.int32)
-    (lc, rc), _ = dn
+    (lc, rc), (lb, rb) = dn
     lf, rf = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
     if not lc:  # (an outer product: one product per output)
         return lax.dot_general(lf, rf, dn, preferred_element_type=jnp.float32).astype(jnp.int32)
-    per_index = _INT8_PRODUCT * math.prod(lhs.shape[d] for d in lc[1:])
-    if per_index >= F32_EXACT:
-        raise QuantizeError(
-            f"realize: the integer sums of {name!r} contract over axes {tuple(lc)} whose later "
-            "axes alone could reach 2**24, and this platform's int8 dot is not used (a GPU): "
-            "reshape the operands to contract over one axis, or skip the layer with a Rule"
-        )
+    if len(lc) > 1:  # contracted axes last, as one (the output's layout does not depend on it)
+        lf, lb = _merge_last(lf, lc, lb)
+        rf, rb = _merge_last(rf, rc, rb)
+        lc, rc = (lf.ndim - 1,), (rf.ndim - 1,)
+        dn = ((lc, rc), (lb, rb))
     return sums_in_chunks(
         lambda lo, hi: lax.dot_general(
             lax.slice_in_dim(lf, lo, hi, axis=lc[0]),
@@ -70,6 +65,14 @@ def int_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, name: str) -
             dn,
             preferred_element_type=jnp.float32,
         ),
-        lhs.shape[lc[0]],
-        per_index,
+        lf.shape[lc[0]],
+        _INT8_PRODUCT,
     )
+
+
+def _merge_last(x: jax.Array, axes: Any, batch: Any) -> tuple[jax.Array, tuple[int, ...]]:
+    """``x`` with ``axes`` (in that order) moved last and merged into one; the new positions of
+    the ``batch`` axes."""
+    rest = [d for d in range(x.ndim) if d not in axes]
+    x = jnp.transpose(x, (*rest, *axes))
+    return x.reshape(*x.shape[: len(rest)], -1), tuple(rest.index(d) for d in batch)

@@ -497,7 +497,7 @@ class Engine:
         ql, qr = codes(lhs, sl, zero, scheme), codes(rhs, sr, zero, scheme)
         if self.mode == "simulate":
             return visit.bind((ql * sl).astype(lhs.dtype), (qr * sr).astype(rhs.dtype))
-        acc = int_dot(int8_codes(ql), int8_codes(qr), visit.params["dimension_numbers"], visit.name)
+        acc = int_dot(int8_codes(ql), int8_codes(qr), visit.params["dimension_numbers"])
         if token:
             l_free = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
             r_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]

@@ -220,7 +220,7 @@ def _int_dot(
     pad_rows = one_row and (tune.s8_pad_single_row or few)
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
     ops = (qa_in, wq) if wi == 1 else (wq, qa_in)
-    acc = int_dot(*ops, dn, site.name)
+    acc = int_dot(*ops, dn)
     if pad_rows:
         acc = lax.slice_in_dim(acc, 0, 1, axis=0)
     return (*_dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract), False)
@@ -283,9 +283,8 @@ def _int_dot_grouped(
     lead = qa_t.shape[:-1]
     qa_g = qa_t.reshape(*lead, groups, g)
     nd = qa_g.ndim
-    acc = int_dot(
-        qa_g, wq.reshape(groups, g, n), (((nd - 1,), (1,)), ((nd - 2,), (0,))), site.name
-    )  # [G, lead..., N]
+    acc = int_dot(qa_g, wq.reshape(groups, g, n), (((nd - 1,), (1,)), ((nd - 2,), (0,))))
+    # [G, lead..., N]
     expand = (1,) * len(lead)
     # per-token values ([lead..., 1] after moving the contracted axis last) gain the group dim
     za_g = jnp.moveaxis(za_s, ka, -1)[None] if np.ndim(za_s) else za_s
@@ -343,29 +342,35 @@ def _conv_in_chunks(
     site: Site, xc: jax.Array, wc: jax.Array, conv: Any, p: Any, per_product: int
 ) -> jax.Array:
     """The integer sums of a convolution of centered f32 codes without an int8 convolution:
-    f32 convolutions of input-channel chunks (``sums_in_chunks``; each product at most
-    ``per_product``)."""
+    f32 convolutions of chunks of each group's input channels (``sums_in_chunks``; each product
+    at most ``per_product``)."""
     dn = p["dimension_numbers"]
     positions = math.prod(wc.shape[d] for d in dn.rhs_spec[2:])
     per_channel = positions * per_product
-    if p["feature_group_count"] != 1 or per_channel >= F32_EXACT:
-        what = (
-            "grouped convolution"
-            if p["feature_group_count"] != 1
-            else f"kernel of {positions} positions per input channel"
-        )
+    if per_channel >= F32_EXACT:
         raise QuantizeError(
-            f"realize: the integer sums of {site.name!r} can reach 2**24 (a {what}), and this "
-            "platform has no int8 convolution to hold them (a GPU): use fewer bits for this "
-            "layer, or skip it with a Rule"
+            f"realize: the integer sums of {site.name!r} can reach 2**24 over one input channel "
+            f"(a kernel of {positions} positions), and this platform has no int8 convolution to "
+            "hold them (a GPU): use fewer bits or symmetric weights for this layer, or skip it "
+            "with a Rule"
         )
+    groups = p["feature_group_count"]
+    c_axis = dn.lhs_spec[1]
+    per_group = wc.shape[dn.rhs_spec[1]]  # (the kernel's input channels are one group's)
+
+    def lhs_chunk(lo: int, hi: int) -> jax.Array:  # channels [lo, hi) of every group
+        if groups == 1:
+            return lax.slice_in_dim(xc, lo, hi, axis=c_axis)
+        shape = xc.shape
+        split = xc.reshape(*shape[:c_axis], groups, per_group, *shape[c_axis + 1 :])
+        part = lax.slice_in_dim(split, lo, hi, axis=c_axis + 1)
+        return part.reshape(*shape[:c_axis], groups * (hi - lo), *shape[c_axis + 1 :])
+
     return sums_in_chunks(
         lambda lo, hi: conv(
-            lax.slice_in_dim(xc, lo, hi, axis=dn.lhs_spec[1]),
-            lax.slice_in_dim(wc, lo, hi, axis=dn.rhs_spec[1]),
-            None,
+            lhs_chunk(lo, hi), lax.slice_in_dim(wc, lo, hi, axis=dn.rhs_spec[1]), None
         ),
-        xc.shape[dn.lhs_spec[1]],
+        per_group,
         per_channel,
     )
 
