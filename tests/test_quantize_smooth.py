@@ -7,7 +7,7 @@ import pytest
 from test_quantize_pipeline import reference_dense
 
 import jaxq.quantize as Q
-from jaxq.quantize import QConfig, Scheme
+from jaxq.quantize import QConfig, Rule, Scheme
 from jaxq.quantize._smooth import smoothing_factors
 from jaxq.quantize._state import get_state
 
@@ -79,6 +79,48 @@ def test_layers_reading_one_activation_share_factors_from_their_joint_weight_ran
     ref = [X @ w for w in ws]
     for got, want in zip(qf(X)[:3], ref, strict=True):
         assert np.abs(np.asarray(got) - want).max() <= 0.05 * np.abs(want).max()
+
+
+def test_rules_smooth_some_layers_only_with_their_own_alpha():
+    """``Rule(smoothing=...)``: per layer, on top of the config's (or with none there); layers
+    left without factors compute exactly as without smoothing; layers reading one activation
+    must share their alpha."""
+    w2 = (RNG.normal(size=(16, 5)) * 0.3).astype(np.float32)
+
+    def two(x):
+        with jax.named_scope("a"):
+            y = x @ W
+        with jax.named_scope("b"):
+            return y, jnp.tanh(x) @ w2
+
+    rules = (Rule(pattern="^b/", smoothing=0.8),)
+    qf = Q(two, calibration=CALIB, config=QConfig(rules=rules), progress=False)
+    smooth = get_state(qf.program, "t").smooth
+    assert set(smooth) == {"b/dot_general"}
+    want = smoothing_factors(np.abs(np.tanh(X)).max(0), w2, 0, 0.8)
+    np.testing.assert_allclose(smooth["b/dot_general"], want, rtol=1e-6)
+    plain = Q(two, calibration=CALIB, progress=False)
+    np.testing.assert_array_equal(np.asarray(qf(X)[0]), np.asarray(plain(X)[0]))  # (a: none)
+    off = QConfig(smoothing=0.5, rules=(Rule(pattern="^a/", smoothing=None),))
+    assert set(
+        get_state(Q(two, calibration=CALIB, config=off, progress=False).program, "t").smooth
+    ) == {"b/dot_general"}
+
+    def shared(x):
+        with jax.named_scope("q"):
+            q = x @ W
+        with jax.named_scope("k"):
+            return q, x @ w2
+
+    mixed = QConfig(smoothing=0.5, rules=(Rule(pattern="^q/", smoothing=0.9),))
+    with pytest.raises(Q.QuantizeError, match="read one activation.*same alpha"):
+        Q(shared, calibration=CALIB, config=mixed, progress=False)
+    with pytest.raises(ValueError, match="Rule: smoothing must be in"):
+        Rule(smoothing=2.0)
+    with pytest.raises(ValueError, match="float activations have none to move"):
+        Rule(activations=None, smoothing=0.5)
+    with pytest.raises(ValueError, match="inherited by rules\\[0\\]"):
+        QConfig(activations=None, rules=(Rule(smoothing=0.5),))
 
 
 def test_smoothing_factors():

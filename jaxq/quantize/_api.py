@@ -847,7 +847,7 @@ def quantize(
             ) from None
         batches = itertools.chain([first], it)
     gptq = config.weight_calibration in ("gptq", "awq")
-    smooth = config.smoothing is not None
+    smooth = config.smooths
     static = config.activations is not None or any(  # (a rule may give a layer activations)
         isinstance(r.activations, Scheme) and r.activations.granularity != "token"
         for r in config.rules

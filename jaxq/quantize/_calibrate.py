@@ -364,7 +364,7 @@ def _uncalibrated_to_dynamic(state: QState, keys: list[tuple[str, Site]]) -> QSt
 
 
 def _joint_factors(
-    absmax: dict[str, np.ndarray], ranges: dict[str, Any], alpha: float
+    absmax: dict[str, np.ndarray], ranges: dict[str, Any], alphas: dict[str, Any]
 ) -> dict[str, np.ndarray]:
     """SmoothQuant's factors per layer, one set for the layers that read one activation (q, k
     and v): taken from the weights' joint range, so the activation is scaled and quantized once
@@ -377,8 +377,16 @@ def _joint_factors(
         groups[(a.dtype.str, a.shape, a.tobytes())].append(name)
     out = {}
     for names in groups.values():
+        alpha = {alphas[n] for n in names}
+        if len(alpha) > 1:
+            raise QuantizeError(
+                f"calibrate: layers {', '.join(repr(n) for n in names)} read one activation, "
+                f"so they are smoothed with one set of factors, but their rules give them "
+                f"different smoothing ({', '.join(str(alphas[n]) for n in names)}): give them "
+                "the same alpha (one Rule matching all of them)"
+            )
         w = np.max([np.asarray(ranges[n + ":wabsmax"]) for n in names], axis=0)
-        s = factors(absmax[names[0]], w, alpha)
+        s = factors(absmax[names[0]], w, alpha.pop())
         out.update({n: s for n in names})
     return out
 
@@ -455,18 +463,23 @@ def calibrate_program(
     histogram = method != "minmax"
     gptq = config.weight_calibration == "gptq"
     observe = functools.partial(_observe, progress=progress, retrace=retrace)
-    if config.smoothing is not None or config.weight_calibration == "awq":
+    if config.smooths or config.weight_calibration == "awq":
         # Pass 1 measures what the factors need (each input channel's range, or X^T X and the
         # weight); pass 2 calibrates the smoothed operands.
         if iter(data) is data:  # a one-shot iterator: keep the batches for the second pass
             data = list(data)
         absmax: dict[str, np.ndarray] = {}
-        if config.smoothing is not None:
+        if config.smooths:
             _, ranges, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
-            absmax = {
-                k.removesuffix(":absmax"): v for k, v in ranges.items() if k.endswith(":absmax")
+            alphas = {  # (a layer of a stack: name@i)
+                k.removesuffix(":absmax"): config.smoothing_for(
+                    state.sites[k.removesuffix(":absmax").partition("@")[0]].rule
+                )
+                for k in ranges
+                if k.endswith(":absmax")
             }
-            smooth = _joint_factors(absmax, ranges, config.smoothing)
+            absmax = {k: ranges[k + ":absmax"] for k, a in alphas.items() if a is not None}
+            smooth = _joint_factors(absmax, ranges, alphas)
         else:
             _, arrays, _ = observe(
                 state, data, keys=[], histogram=False, gptq=False, absmax=False, awq=True
@@ -523,7 +536,7 @@ def calibrate_program(
     if gptq:
         info["weights"] = "gptq"
         info["gptq_layers"] = len(grams)
-    if config.smoothing is not None:
+    if config.smooths:
         info["smoothed_layers"] = len(state.smooth)
     if config.weight_calibration == "awq":
         info["weights"] = "awq"

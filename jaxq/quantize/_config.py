@@ -174,6 +174,9 @@ class Rule:
       weights, activations: the schemes for this layer; ``...`` keeps the QConfig's, ``None``
         leaves that side in float (``weights=None`` leaves the layer unquantized).
       skip: leave matching layers in float.
+      smoothing: SmoothQuant's ``alpha`` for matching layers (see ``QConfig.smoothing``), None
+        to leave them unsmoothed, ``...`` to keep the QConfig's: smoothing only the layers whose
+        activations have outliers spares the others' multiplies.
     The first matching rule wins.
     """
 
@@ -182,6 +185,7 @@ class Rule:
     weights: Scheme | None | Any = INHERIT
     activations: Scheme | None | Any = INHERIT
     skip: bool = False
+    smoothing: float | None | Any = INHERIT
 
     def __post_init__(self) -> None:
         if self.pattern is not None:
@@ -207,6 +211,16 @@ class Rule:
                 raise TypeError(f"Rule: {side} must be a Scheme, None or ...; got {v!r}")
         if not isinstance(self.skip, bool):
             raise TypeError(f"Rule: skip must be a bool; got {self.skip!r}")
+        if self.smoothing is not INHERIT and self.smoothing is not None:
+            _check_number(
+                "smoothing", self.smoothing, "[0, 1]", lambda v: 0 <= v <= 1, " or None", "Rule"
+            )
+            if self.activations is None or self.skip:
+                raise ValueError(
+                    "Rule: smoothing moves activation outliers into the weights; the layers "
+                    "this rule keeps with float activations have none to move. Drop smoothing "
+                    "from the rule"
+                )
 
     def matches(self, name: str, primitive: str, path: str | None = None) -> bool:
         """Whether this rule applies to the equation ``name`` of primitive ``primitive``, whose
@@ -219,14 +233,19 @@ class Rule:
 
 
 def _check_number(
-    field: str, value: Any, interval: str, inside: Callable[[float], bool], alt: str = ""
+    field: str,
+    value: Any,
+    interval: str,
+    inside: Callable[[float], bool],
+    alt: str = "",
+    owner: str = "QConfig",
 ) -> None:
     """A real number (a bool is not one) inside ``interval``; else an error naming the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         what = f"a number in {interval}{alt}" if alt else "a number"
-        raise TypeError(f"QConfig: {field} must be {what}; got {value!r}")
+        raise TypeError(f"{owner}: {field} must be {what}; got {value!r}")
     if not inside(value):
-        raise ValueError(f"QConfig: {field} must be in {interval}; got {value}")
+        raise ValueError(f"{owner}: {field} must be in {interval}; got {value}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -355,10 +374,19 @@ class QConfig:
         _check_number("gptq_damp", self.gptq_damp, "(0, 10]", lambda v: 0 < v <= 10)
         if self.smoothing is not None:
             _check_number("smoothing", self.smoothing, "[0, 1]", lambda v: 0 <= v <= 1, " or None")
-            if self.activations is None:
+        if self.smooths:
+            weight_only = [
+                f"rules[{i}]"
+                for i, r in enumerate(self.rules)
+                if r.smoothing is not INHERIT and r.smoothing is not None
+                and r.activations is INHERIT
+            ]  # fmt: skip
+            if self.activations is None and (self.smoothing is not None or weight_only):
                 raise ValueError(
                     "QConfig: smoothing moves activation outliers into the weights; it needs "
-                    "quantized activations (got activations=None). Drop smoothing for weight-only."
+                    "quantized activations (got activations=None"
+                    f"{', inherited by ' + weight_only[0] if weight_only else ''}). Drop "
+                    "smoothing for weight-only, or give the rule an activation Scheme."
                 )
             if self.weight_calibration == "awq":
                 raise ValueError(
@@ -387,6 +415,18 @@ class QConfig:
             if isinstance(r.activations, Scheme):
                 # (per token in a rule: that layer's scales come from each row at run time)
                 check_activations(r.activations, True, f"QConfig: rules[{i}]")
+
+    @property
+    def smooths(self) -> bool:
+        """Whether any layer may be smoothed (by ``smoothing`` or a rule's)."""
+        return self.smoothing is not None or any(
+            r.smoothing is not INHERIT and r.smoothing is not None for r in self.rules
+        )
+
+    def smoothing_for(self, rule: int | None) -> float | None:
+        """The SmoothQuant ``alpha`` of a layer that ``rules[rule]`` matched (None: no rule)."""
+        r = None if rule is None else self.rules[rule]
+        return self.smoothing if r is None or r.smoothing is INHERIT else r.smoothing
 
     def _inherit(self, i: int, rule: Rule) -> Rule:
         """``rule`` with the fields its schemes leave out taken from this config's schemes."""
