@@ -74,9 +74,8 @@ def test_realized_programs_compute_on_the_device_what_they_compute_on_the_cpu(ca
     f, params, data, cfg = CASES[case]
     cpu = jax.devices("cpu")[0]
     qf = Q(f, params, calibration=[(x,) for x in data], config=cfg, progress=False)
-    with jax.default_matmul_precision("highest"):  # (the float parts: not TF32)
-        here = np.asarray(jax.jit(qf.apply)(qf.params, data[0]))
-        with PassContext(config={"quantize.tuning": Q.tuning(platform="cpu")}):
-            there = jax.jit(qf.apply)(jax.device_put(qf.params, cpu), jax.device_put(data[0], cpu))
+    here = np.asarray(jax.jit(qf.apply)(qf.params, data[0]))  # (float parts: f32, conftest)
+    with PassContext(config={"quantize.tuning": Q.tuning(platform="cpu")}):
+        there = jax.jit(qf.apply)(jax.device_put(qf.params, cpu), jax.device_put(data[0], cpu))
     assert not Q.tuning().s8_dot  # (the GPU's route)
     np.testing.assert_allclose(here, np.asarray(there), rtol=1e-5, atol=1e-5 * np.abs(here).max())

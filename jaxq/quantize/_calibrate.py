@@ -471,12 +471,9 @@ def calibrate_program(
         absmax: dict[str, np.ndarray] = {}
         if config.smooths:
             _, ranges, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
+            measured = [k.removesuffix(":absmax") for k in ranges if k.endswith(":absmax")]
             alphas = {  # (a layer of a stack: name@i)
-                k.removesuffix(":absmax"): config.smoothing_for(
-                    state.sites[k.removesuffix(":absmax").partition("@")[0]].rule
-                )
-                for k in ranges
-                if k.endswith(":absmax")
+                k: config.smoothing_for(state.sites[k.partition("@")[0]].rule) for k in measured
             }
             absmax = {k: ranges[k + ":absmax"] for k, a in alphas.items() if a is not None}
             smooth = _joint_factors(absmax, ranges, alphas)
