@@ -31,6 +31,11 @@ def intermediates(program: Program, names: str | Iterable[str], *args: Any, **kw
             f"intermediates: {nested[:3]} are inside nested jaxprs (jit, scan, cond...); only "
             "top-level equations can be tapped"
         )
+    empty = [n for n in wanted if not by_name[n].eqn.outvars]
+    if empty:
+        raise ValueError(
+            f"intermediates: {empty[:3]} have no result to tap (equations run only for an effect, such as debug_print)"
+        )
     closed = program.jaxpr
     taps = [by_name[n].eqn.outvars[0] for n in wanted]
     jaxpr = closed.jaxpr.replace(outvars=[*closed.jaxpr.outvars, *taps])

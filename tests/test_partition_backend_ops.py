@@ -192,14 +192,18 @@ _I32 = np.array([7, -7, 9, 4], np.int32)
         (lambda x: jnp.maximum(x, 0) + 1, (_I16,)),
         (lambda x: jnp.sum(x, axis=1, dtype=jnp.int8), (_I16.astype(np.int8),)),
         (lambda x: (x < ~x) | x, (np.array([True, False]),)),
+        (lambda x: jnp.pad(x, ((1, 1), (0, 2))) * 2, (_I16,)),
+        (lambda x: x.astype(jnp.int4).astype(jnp.int32) * 2, (_I32,)),
+        (lambda x: lax.reduce_max(x, (0,)) + 1, (np.zeros((0, 3), np.float32),)),
     ],
     ids=["clamp_lo_above_hi", "int_div_by_zero", "pool_padded_by_a_window", "max_int16",
-         "sum_int8", "lt_bool"],
+         "sum_int8", "lt_bool", "pad_int16", "int4", "max_of_nothing"],
 )  # fmt: skip
 def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
     """Each of these was claimed for ONNX Runtime and then failed to open (int16 Max, int8
-    ReduceSum, bool Less, MaxPool padded by its window), failed at run time (integer division
-    by 0, which XLA defines), or ran wrong (a clamp whose bounds cross gave lo; XLA gives hi)."""
+    ReduceSum, bool Less, MaxPool padded by its window, int16 Pad, a Cast to int4), failed at
+    run time (integer division by 0, which XLA defines), or ran wrong (a clamp whose bounds
+    cross gave lo; XLA gives hi)."""
     pytest.importorskip("onnxruntime")
     P.register_backend_support("claims", "onnxruntime")
     try:
@@ -255,3 +259,28 @@ def test_a_region_whose_results_nobody_reads_builds(backend):
     finally:
         P.unregister_compiler("claims")
     np.testing.assert_array_equal(np.asarray(got), x + 1.0)
+
+
+@pytest.mark.parametrize(
+    "f, x",
+    [
+        (lambda x: lax.shift_right_arithmetic(x, jnp.full_like(x, 1)), np.array([255, 128, 7], np.uint8)),
+        (lambda x: lax.shift_right_arithmetic(x, jnp.full_like(x, 9)), np.array([255, 128, 7], np.uint8)),
+        (lambda x: lax.reduce_max(x, (0,)), np.zeros((0, 3), np.float32)),
+        (lambda x: lax.reduce_min(x, (0,)), np.zeros((0, 3), np.int32)),
+        (lambda x: lax.reduce_max(x, (1,)), np.zeros((2, 0), np.bool_)),
+    ],
+    ids=["sra_uint8", "sra_uint8_out_of_range", "max_of_nothing", "min_of_nothing", "any_of_nothing"],
+)  # fmt: skip
+def test_what_the_host_backend_is_claimed_for_runs_as_xla_does(f, x):
+    """numpy's ``>>`` of an unsigned int is a logical shift (XLA's arithmetic one fills with the
+    top bit: 255 >> 1 is 255), and numpy's max of nothing raises (XLA gives -inf, INT_MAX...)."""
+    P.register_backend_support("claims", "host")
+    try:
+        passes = [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
+        parts = jaxq.transform.Sequential(passes)(jaxq.trace(f, x))
+        assert P.regions(parts)
+        got = jaxq.build(parts, backends={"claims": "host"})(x)
+    finally:
+        P.unregister_compiler("claims")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))

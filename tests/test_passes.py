@@ -339,6 +339,12 @@ def test_pass_context_checks_its_arguments_and_names_a_misspelled_pass():
         T.PassContext(instruments=[T.PassTiming])
     with pytest.raises(TypeError, match="instrument 42 has none of the hooks"):
         T.PassContext(instruments=[42])
+    with pytest.raises(
+        TypeError, match=r"instruments must be a sequence .* instruments=\[\.\.\.\]"
+    ):
+        T.PassContext(instruments=T.PassTiming())  # (one instrument, not in a list)
+    with pytest.raises(TypeError, match="config must be a mapping"):
+        T.PassContext(config=[1])
 
 
 def test_a_slice_of_a_sequential_is_named_as_written():

@@ -184,6 +184,9 @@ def test_intermediates_returns_named_values_compiled():
     nested = jaxq.trace(lambda x: jax.jit(jnp.sin)(x), X)
     with pytest.raises(ValueError, match="inside nested jaxprs"):
         jaxq.intermediates(nested, ["jit/sin"], X)
+    printing = jaxq.trace(lambda x: (jax.debug.print("{}", x), x * 2)[1], X)
+    with pytest.raises(ValueError, match=r"\['debug_print'\] have no result to tap"):
+        jaxq.intermediates(printing, ["debug_print"], X)
 
 
 def test_copying_a_program_gives_the_program():

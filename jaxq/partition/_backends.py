@@ -155,6 +155,23 @@ def _reduce(fn: Callable[..., Any]) -> Callable[..., Any]:
     return lambda x, **p: fn(x, axis=tuple(p["axes"]))
 
 
+def _extreme(fn: Callable[..., Any], lowest: bool) -> Callable[..., Any]:
+    """``reduce_max`` (``lowest``) or ``reduce_min``: XLA's identity (-inf, the type's
+    smallest int...) over an empty axis, where numpy's max has none and raises."""
+
+    def reduce(x: np.ndarray, **p: Any) -> np.ndarray:
+        if x.dtype == np.bool_:
+            start: Any = not lowest
+        elif np.issubdtype(x.dtype, np.integer):
+            info = np.iinfo(x.dtype)
+            start = info.min if lowest else info.max
+        else:
+            start = -np.inf if lowest else np.inf
+        return fn(x, axis=tuple(p["axes"]), initial=start)
+
+    return reduce
+
+
 def _select_n(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
     return (
         np.choose(which.astype(np.int32), cases)
@@ -202,8 +219,9 @@ def _shift(kind: str) -> Callable[..., np.ndarray]:
         if kind == "logical":
             out = (x.astype(unsigned) >> amount).astype(x.dtype)
             return np.where(out_of_range, 0, out).astype(x.dtype)
-        out = x >> amount.astype(x.dtype)
-        return np.where(out_of_range, x >> (bits - 1), out).astype(x.dtype)
+        signed = x.astype(np.dtype(f"int{bits}"))  # (numpy's >> of an unsigned int is logical)
+        out = signed >> amount.astype(signed.dtype)
+        return np.where(out_of_range, signed >> (bits - 1), out).astype(x.dtype)
 
     return shift
 
@@ -259,8 +277,8 @@ HOST_RULES: dict[str, Callable[..., Any]] = {
     "transpose": lambda x, **p: np.transpose(x, p["permutation"]),
     "convert_element_type": lambda x, **p: _convert(x, p["new_dtype"]),
     "reduce_sum": _reduce(np.sum),
-    "reduce_max": _reduce(np.max),
-    "reduce_min": _reduce(np.min),
+    "reduce_max": _extreme(np.max, lowest=True),
+    "reduce_min": _extreme(np.min, lowest=False),
     "squeeze": lambda x, **p: np.squeeze(x, tuple(p["dimensions"])),
     "expand_dims": lambda x, **p: np.expand_dims(x, tuple(p["dimensions"])),
     "copy": np.copy,

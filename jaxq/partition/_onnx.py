@@ -101,6 +101,8 @@ def _limit(e: C.JaxprEqn) -> str | None:
     outs = [np.dtype(shaped_aval(v).dtype) for v in e.outvars]
     if any(d.name in ("bfloat16", "float16") for d in (*dtypes, *outs)):
         return "16-bit float values (the exporter writes float32 and 8-bit integers)"
+    if any(d.name in ("int4", "uint4") for d in (*dtypes, *outs)):
+        return "4-bit integer values (ONNX Runtime's kernels do not take them)"
     if name == "select_n" and len(e.invars) != 3:
         return "select_n with more than two cases"
     if name == "round" and int(p["rounding_method"]) != 1:
@@ -153,6 +155,8 @@ _ORT_DTYPES: dict[str, tuple[str, ...]] = {
         (("lt", "le", "gt", "ge", "dot_general"), ("float32", "float64", "int8", "uint8", "int16",
                                                    "uint16", "int32", "uint32", "int64", "uint64")),
         (("reduce_window_max",), ("float32", "float64", "int8", "uint8")),
+        (("pad",), ("bool", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64",
+                    "uint64")),
     )
     for name in names
 }  # fmt: skip

@@ -171,6 +171,18 @@ class PassContext:
             raise TypeError(
                 f"PassContext: disabled must be a sequence of pass names; got {disabled!r}"
             )
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(
+                f"PassContext: config must be a mapping of option names to values (e.g. "
+                f"{{'quantize.tuning': ...}}); got {config!r}"
+            )
+        if isinstance(instruments, (str, type)) or any(
+            callable(getattr(instruments, h, None)) for h in _HOOKS
+        ):
+            raise TypeError(
+                f"PassContext: instruments must be a sequence of instruments; got {instruments!r} "
+                "(pass instruments=[...])"
+            )
         self.opt_level = opt_level
         self.disabled = frozenset(names)
         self.config: Mapping[str, Any] = dict(config or {})
