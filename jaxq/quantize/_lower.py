@@ -490,21 +490,17 @@ class Engine:
         if self.mode == "observe":  # (nothing to calibrate)
             return visit.bind(lhs, rhs)
         (lc, rc), (lb, rb) = visit.params["dimension_numbers"]
-        token = scheme.granularity == "token"
-        sl = _operand_scale(lhs, tuple(lc) if token else tuple(range(lhs.ndim)), scheme)
-        sr = _operand_scale(rhs, tuple(rc) if token else tuple(range(rhs.ndim)), scheme)
+        scale = _operand_scale if scheme.granularity == "token" else _tensor_scale
+        sl, sr = scale(lhs, tuple(lc), scheme), scale(rhs, tuple(rc), scheme)
         zero = np.float32(0)
         ql, qr = codes(lhs, sl, zero, scheme), codes(rhs, sr, zero, scheme)
         if self.mode == "simulate":
             return visit.bind((ql * sl).astype(lhs.dtype), (qr * sr).astype(rhs.dtype))
         acc = int_dot(int8_codes(ql), int8_codes(qr), visit.params["dimension_numbers"])
-        if token:
-            l_free = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
-            r_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
-            sl = _to_output(sl, lc, [*lb, *l_free], trailing=len(r_free))
-            sr = _to_output(sr, rc, [*rb, *r_free], inner=(len(lb), len(l_free)))
-        else:
-            sl, sr = sl.reshape(()), sr.reshape(())
+        l_free = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
+        r_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+        sl = _to_output(sl, lc, [*lb, *l_free], trailing=len(r_free))
+        sr = _to_output(sr, rc, [*rb, *r_free], inner=(len(lb), len(l_free)))
         out_dtype = shaped_aval(visit.eqn.outvars[0]).dtype
         return (acc.astype(jnp.float32) * sl * sr).astype(out_dtype)
 
@@ -946,6 +942,15 @@ def _operand_scale(x: Any, axes: tuple[int, ...], scheme: Scheme) -> Any:
     qmax``, 1 where the values are all 0, non-finite where they are."""
     m = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
     return jnp.where(m == 0, jnp.float32(1), m / jnp.float32(scheme.qrange[1]))
+
+
+def _tensor_scale(x: Any, axes: tuple[int, ...], scheme: Scheme) -> Any:
+    """One scale for all of ``x``, from its rows (over ``axes``) that hold no NaN or Inf, laid
+    out per row like :func:`_operand_scale`'s: NaN at the rows that hold them, so that only
+    those rows' outputs are NaN, as in float (a NaN in one sample spoiled the whole batch)."""
+    bad = jnp.any(~jnp.isfinite(x), axis=axes, keepdims=True)
+    s = _operand_scale(jnp.where(bad, jnp.zeros((), x.dtype), x), tuple(range(x.ndim)), scheme)
+    return s + jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0))
 
 
 def _to_output(
