@@ -300,4 +300,14 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
         arr = tensors[key]
         consts.append(arr.view(jax.numpy.dtype(dtype)) if arr.dtype.name != dtype else arr)
     exported = jax.export.deserialize(bytearray(exported_bytes))
+    try:  # (the module is read lazily: one this jax cannot read failed at the first call)
+        exported.mlir_module()
+    except Exception as e:
+        saved = manifest.get("jax_version", "unknown")
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LoadError(
+            f"jaxq.load: this jax ({jax.__version__}) cannot read the program in {path}, which "
+            f"jax {saved} wrote ({why}). Load it with jax {saved} or newer, or re-save the model "
+            "with this jax."
+        ) from e
     return LoadedProgram(exported, consts, manifest)

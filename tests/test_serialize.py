@@ -125,6 +125,23 @@ def test_other_format_version_is_refused(tmp_path):
         jaxq.load(path)
 
 
+def test_a_program_this_jax_cannot_read_is_refused_when_loaded(tmp_path, monkeypatch):
+    """(A file that jax 0.12 wrote loaded on jax 0.10.2, then failed at its first call with a
+    raw "Failed to deserialize StableHLO".) Reading the module fails as an older jax fails."""
+    path = PROG.save(tmp_path / "m.jaxq")
+
+    def unreadable(self):
+        raise RuntimeError("INVALID_ARGUMENT: Failed to deserialize StableHLO\nmore")
+
+    monkeypatch.setattr(jax.export.Exported, "mlir_module", unreadable)
+    with pytest.raises(
+        jaxq.LoadError,
+        match=rf"cannot read the program .* which jax {jax.__version__} wrote \(INVALID_ARGUMENT: "
+        r"Failed to deserialize StableHLO\)\. Load it with jax .* or re-save",
+    ):
+        jaxq.load(path)
+
+
 def test_partitioned_program_exports_and_saves(tmp_path):
     from jaxq import partition as P
     from jaxq import transform as T
