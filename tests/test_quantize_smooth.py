@@ -115,6 +115,18 @@ def test_rules_smooth_some_layers_only_with_their_own_alpha():
     mixed = QConfig(smoothing=0.5, rules=(Rule(pattern="^q/", smoothing=0.9),))
     with pytest.raises(Q.QuantizeError, match="read one activation.*same alpha"):
         Q(shared, calibration=CALIB, config=mixed, progress=False)
+    params = {"w": (RNG.normal(size=(16, 16)) * 0.3).astype(np.float32)}
+
+    def one_param(p, x):  # (one set of codes for both layers: it cannot hold s * W for b only)
+        with jax.named_scope("a"):
+            h = jnp.tanh(x @ p["w"])
+        with jax.named_scope("b"):
+            return h @ p["w"]
+
+    by_rule = QConfig(rules=(Rule(pattern="^b/", smoothing=0.8),))
+    with pytest.warns(UserWarning, match=r"no input-channel factors .*\['b/dot_general'\]; their"):
+        qf = Q(one_param, params, calibration=CALIB, config=by_rule, progress=False)
+    assert not get_state(qf.program, "t").smooth
     with pytest.raises(ValueError, match="Rule: smoothing must be in"):
         Rule(smoothing=2.0)
     with pytest.raises(ValueError, match="float activations have none to move"):

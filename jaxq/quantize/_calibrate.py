@@ -400,6 +400,7 @@ def _shared_leaves(state: QState, smooth: dict[str, np.ndarray]) -> dict[str, np
     for name, leaf in state.site_leaves.items():
         by_leaf[leaf].append(name)
     out = dict(smooth)
+    dropped: dict[str, list[str]] = {"floats": [], "shared": []}
     for leaf, names in by_leaf.items():
         if len(names) < 2 and leaf not in state.float_leaves:
             continue
@@ -419,6 +420,22 @@ def _shared_leaves(state: QState, smooth: dict[str, np.ndarray]) -> dict[str, np
             out.pop(k, None)
         if ok:
             out.update({k: smooth[o] for k, o in pairs})
+        else:
+            asked = [n for n in names if any(k in smooth for k in state.sites[n].act_keys())]
+            dropped["floats" if leaf in state.float_leaves else "shared"] += asked
+    why = {
+        "floats": "their weight param is also read as floats (a tied embedding's lookup, say)",
+        "shared": "their weight param is also read by a layer without factors, and one set of "
+        "codes holds s * W for every layer that reads it: give all those layers the same "
+        "smoothing (one Rule matching them all)",
+    }
+    for reason, names in dropped.items():
+        if names:
+            _warnings.warn(
+                f"calibrate: {len(names)} layer(s) get no input-channel factors (SmoothQuant's "
+                f"or AWQ's): {names[:5]}{' ...' if len(names) > 5 else ''}; {why[reason]}",
+                UserWarning,
+            )
     return out
 
 
