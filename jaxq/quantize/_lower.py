@@ -329,12 +329,14 @@ class Engine:
                 return ref.then(visit.primitive, visit.params, value)
             out = visit.bind(*(self.coerce(v) for v in invals))
             leaf = next(v.leaf for v in invals if isinstance(v, WeightRef))
-            self.derived[id(out)] = (out, (leaf, visit.primitive))
+            for o in out if visit.eqn.primitive.multiple_results else [out]:  # (split: each)
+                self.derived[id(o)] = (o, (leaf, visit.primitive))
             return out
         origin = next((self.derived[id(v)][1] for v in invals if id(v) in self.derived), None)
         if origin is not None:  # (still the param's value, reshaped again or cast)
             out = visit.bind(*invals)
-            self.derived[id(out)] = (out, origin)
+            for o in out if visit.eqn.primitive.multiple_results else [out]:
+                self.derived[id(o)] = (o, origin)
             return out
         # (folded on the host where the inputs are known, unless a shape is symbolic: a
         # jnp.zeros((x.shape[0], d)) under jax.export with a symbolic batch is not a constant)

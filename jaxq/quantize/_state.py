@@ -41,6 +41,7 @@ FOLDABLE = (
     "copy",
     "copy_p",
     "slice",
+    "split",
     "rev",
     "concatenate",
     "reduce_precision",
