@@ -124,7 +124,10 @@ def test_rules_smooth_some_layers_only_with_their_own_alpha():
             return h @ p["w"]
 
     by_rule = QConfig(rules=(Rule(pattern="^b/", smoothing=0.8),))
-    with pytest.warns(UserWarning, match=r"no input-channel factors .*\['b/dot_general'\]; their"):
+    with pytest.warns(
+        UserWarning,
+        match=r"smoothing that rules give 1 layer\(s\) is dropped: \['b/dot_general'\]; their",
+    ):
         qf = Q(one_param, params, calibration=CALIB, config=by_rule, progress=False)
     assert not get_state(qf.program, "t").smooth
     with pytest.raises(ValueError, match="Rule: smoothing must be in"):

@@ -23,7 +23,7 @@ from jaxq._walk import RewriteError, interpret
 from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._arith import dequantized_weight, quantize_weight, range_to_qparams
 from jaxq.quantize._awq import awq_factors
-from jaxq.quantize._config import CALIBRATIONS, QConfig
+from jaxq.quantize._config import CALIBRATIONS, INHERIT, QConfig
 from jaxq.quantize._lower import (
     ARRAY_STATS,
     Engine,
@@ -420,23 +420,34 @@ def _shared_leaves(state: QState, smooth: dict[str, np.ndarray]) -> dict[str, np
             out.pop(k, None)
         if ok:
             out.update({k: smooth[o] for k, o in pairs})
-        else:
-            asked = [n for n in names if any(k in smooth for k in state.sites[n].act_keys())]
+        else:  # (a Rule asking for smoothing is not met: say so; the config's is documented)
+            asked = [
+                n
+                for n in names
+                if _rule_smooths(state, n) and any(k in smooth for k in state.sites[n].act_keys())
+            ]
             dropped["floats" if leaf in state.float_leaves else "shared"] += asked
     why = {
         "floats": "their weight param is also read as floats (a tied embedding's lookup, say)",
-        "shared": "their weight param is also read by a layer without factors, and one set of "
+        "shared": "their weight param is also read by a layer without smoothing, and one set of "
         "codes holds s * W for every layer that reads it: give all those layers the same "
         "smoothing (one Rule matching them all)",
     }
     for reason, names in dropped.items():
         if names:
             _warnings.warn(
-                f"calibrate: {len(names)} layer(s) get no input-channel factors (SmoothQuant's "
-                f"or AWQ's): {names[:5]}{' ...' if len(names) > 5 else ''}; {why[reason]}",
+                f"calibrate: the smoothing that rules give {len(names)} layer(s) is dropped: "
+                f"{names[:5]}{' ...' if len(names) > 5 else ''}; {why[reason]}",
                 UserWarning,
             )
     return out
+
+
+def _rule_smooths(state: QState, name: str) -> bool:
+    """Whether layer ``name``'s smoothing comes from a Rule of its own (not the config's)."""
+    rule = state.sites[name].rule
+    alpha = None if rule is None else state.config.rules[rule].smoothing
+    return alpha is not None and alpha is not INHERIT
 
 
 def _awq_of(state: QState, key: str, w: np.ndarray, gram: np.ndarray) -> np.ndarray:
