@@ -838,11 +838,11 @@ def test_what_onnx_runtime_cannot_run_stays_with_xla_and_is_named():
 def test_a_scanned_layer_stack_offloads_unrolled_in_one_region():
     # (lax.scan has no ONNX rule: offload unrolls it, each layer with its own slice of the
     # stacked codes and scales; on jax 0.12 this model once raised RewriteError)
-    def f(params, x):
-        body = lambda h, w: (h + jax.nn.relu(h @ w), None)
-        h = jax.lax.scan(body, x, params["stack"])[0]
+    def f(params, x):  # (per-layer outputs too: unrolled, jnp.stack's primitive joins them)
+        body = lambda h, w: (h + jax.nn.relu(h @ w),) * 2
+        h, hs = jax.lax.scan(body, x, params["stack"])
         with jax.named_scope("Head"):
-            return h @ params["head"]
+            return h @ params["head"], hs
 
     params = {  # (layers too large for fold_constants to fold a slice of the stack)
         "stack": (RNG.normal(size=(3, 72, 72)) * 0.05).astype(np.float32),
@@ -855,15 +855,16 @@ def test_a_scanned_layer_stack_offloads_unrolled_in_one_region():
         warnings.simplefilter("error")  # (nothing stays with XLA)
         y = jax.jit(fast)(x)
     (region,) = fast.regions(x)
-    assert region.primitives.count("dot_general") == 4
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(qf(x)))
+    assert region.primitives.count("dot_general") == 4 and "stack" in region.primitives
+    for got, want in zip(y, qf(x), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # each layer's codes are an initializer of their own (ONNX Runtime prepacks them), not a
     # Slice of the stack run on every call
     model = export_onnx(region.program())
     assert "Slice" not in {n.op_type for n in model.graph.node}
     looped = jaxq.offload(qf, exact=True, max_unroll=2)  # (3 layers: the loop stays with XLA)
     with pytest.warns(jaxq.OffloadWarning, match=r"stay with XLA.*'scan': 1"):
-        np.testing.assert_array_equal(np.asarray(looped(x)), np.asarray(qf(x)))
+        np.testing.assert_array_equal(np.asarray(looped(x)[0]), np.asarray(qf(x)[0]))
 
 
 def test_bad_input_is_named():

@@ -57,7 +57,8 @@ _OTHER = {
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square", "round", "clamp", "conv_general_dilated",
     "reduce_window_max", "reduce_window_sum", "pad", "is_finite", "not", "and", "or", "reduce_or",
-    "reduce_and", "concatenate", "slice", "ne", "erfc", "copy", "copy_p", "stop_gradient",
+    "reduce_and", "concatenate", "stack", "slice", "ne", "erfc", "copy", "copy_p",
+    "stop_gradient",
 }  # fmt: skip
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
 ONNX_PRIMITIVES: frozenset[str] = frozenset(_UNARY.keys() | _BINARY.keys() | _OTHER)
@@ -643,6 +644,10 @@ class _Exporter:
             return self.node("Cast", reduced, to=self.onnx.TensorProto.BOOL)
         if name == "concatenate":
             return self.node("Concat", ins, axis=int(p["dimension"]))
+        if name == "stack":  # (jnp.stack; loops unrolled by unroll_loops stack their ys)
+            axis = int(p["axis"]) % len(out_aval.shape)
+            one = [1 if d == axis else n for d, n in enumerate(out_aval.shape)]
+            return self.node("Concat", [self.reshape(i, one) for i in ins], axis=axis)
         if name == "slice":
             n = len(p["start_indices"])
             steps = p["strides"] or (1,) * n
