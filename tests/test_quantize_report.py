@@ -286,3 +286,21 @@ def test_a_quantized_layer_inside_a_loop_is_marked_too():
     (row,) = qf.report(sample=(X[0],)).layers
     assert (row.status, row.in_loop, row.sqnr_db) == ("quantized", "while", None)
     assert "quantized (inside a while body)" in str(qf.report())
+
+
+def test_an_attention_product_says_how_it_is_quantized_in_a_table_that_stays_narrow():
+    """(Q K^T's status pointed at params, where the fix is QConfig(attention=...), and the
+    table padded every row to that long status.)"""
+
+    def f(x):
+        with jax.named_scope("Q"):
+            q = x @ W0
+        with jax.named_scope("Att"):
+            return jax.nn.softmax(q @ q.T) @ q
+
+    qf = jaxq.quantize(f, calibration=[(x,) for x in X], progress=False)
+    rows = {r.name: r.status for r in qf.report().layers}
+    assert "QConfig(attention=jaxq.Scheme(granularity='token'))" in rows["Att/dot_general"]
+    lines = str(qf.report()).splitlines()
+    (quantized,) = [line for line in lines if line.startswith("Q/")]
+    assert quantized.endswith("quantized") and len(quantized) < 150  # (was padded to 320)

@@ -132,6 +132,11 @@ NO_WEIGHT_REASON = (
     "no weight operand (both are activations; a weight passed as an argument must be in params: "
     "jaxq.quantize(f, params, ...))"
 )
+NO_WEIGHT_MATMUL = NO_WEIGHT_REASON.replace(
+    "; a weight",
+    ": attention's Q K^T and P V run int8 under "
+    "QConfig(attention=jaxq.Scheme(granularity='token')); a weight",
+)
 
 
 class Engine:
@@ -630,7 +635,7 @@ class Engine:
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)
             else:
-                self.skipped[name] = self._no_weight_reason(raw)
+                self.skipped[name] = self._no_weight_reason(raw, visit.primitive)
             return bind_float()
         wi = concrete[0]
         in_loop = visit.path[:-1] not in self.inlined
@@ -685,13 +690,13 @@ class Engine:
         self.sites[name] = site
         return self.handler(visit, site, qw, raw, self.act_params(site))
 
-    def _no_weight_reason(self, operands: list[Any]) -> str:
+    def _no_weight_reason(self, operands: list[Any], primitive: str) -> str:
         """Why a layer has no weight: none of its operands is a param, or one is a param's value
         after an equation a weight cannot pass through (named, with the fix)."""
         origin = next((self.derived[id(v)][1] for v in operands if id(v) in self.derived), None)
         spec = self.state.params
         if origin is None or spec is None:
-            return NO_WEIGHT_REASON
+            return NO_WEIGHT_MATMUL if primitive == "dot_general" else NO_WEIGHT_REASON
         leaf, primitive = origin
         path = "" if spec.paths[leaf].startswith("args[") else spec.paths[leaf]  # (bare: params)
         fix = (

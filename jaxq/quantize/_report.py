@@ -189,11 +189,12 @@ class Report:
             max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
             for i, h in enumerate(head)
         ]
+        widths[-1] = len(head[-1])  # (a long status runs on: the other rows are not padded to it)
         fmt = "  ".join(f"{{:{w}}}" for w in widths)
         lines = [f"jaxq.quantize report (mode={self.mode}, parameter bytes={self.param_bytes})"]
         lines.append(fmt.format(*head))
         lines.append(fmt.format(*("-" * w for w in widths)))
-        lines += [fmt.format(*row) for row in rows]
+        lines += [fmt.format(*row).rstrip() for row in rows]
         if self.calibration:
             lines.append(f"calibration: {self.calibration}")
         if self.unmatched_rules:

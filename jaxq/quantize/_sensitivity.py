@@ -61,7 +61,7 @@ class SensitivityResult:
 
     def __str__(self) -> str:
         lines = [
-            f"sensitivity: target {self.target:g}, reached {self.metric:g} "
+            f"sensitivity: target {self.target:g}, reached {self.metric + 0.0:g} "
             f"({'met' if self.met else 'NOT met'}) keeping {len(self.kept_float)} layer(s) "
             "in float"
         ]
