@@ -778,7 +778,9 @@ def quantize(
         ``jax.grad`` of ``qf.apply`` with respect to the float params). One layer computes the
         same integers in both; through several, the float ops between layers may round apart in
         the last bit, so a code on a rounding boundary can differ by one step (measured: 2 of
-        2048 values in a 4-layer MLP; 5e-4 relative on a 3-layer GPT's logits).
+        2048 values in a 4-layer MLP; 5e-4 relative on a 3-layer GPT's logits). Under
+        ``QConfig(requantize="fixed_point")`` realize rounds each output code the integer way
+        (see there), so a few output codes of one layer differ by one step from simulate's.
       weight_argnums: (without params) positions of ``f``'s arguments that are weights, taken
         from ``example_args`` (or the first calibration tuple); the result does not take them.
       example_args: arguments of ``f`` (without the params) to trace with (default: the first
