@@ -269,9 +269,9 @@ class QConfig:
         (integer-only multiplier and rounding shift to an int8 output, gemmlowp style; the
         multipliers are computed on the host, so the weights must be closed over, not params).
         Fixed point rounds each output code twice, half away from zero (in the multiply, then
-        in the shift), whatever the scheme's ``rounding`` (which the input codes follow), so
-        about one output code in 300 differs by one step from the single rounding of
-        ``mode="simulate"`` and of ``"float"``.
+        in the shift), whatever the scheme's ``rounding`` (which the input codes follow): an
+        output code can differ by one step from the single rounding of ``mode="simulate"``
+        (measured: about 1 in 300 with the default rounding, half of them with ``"floor"``).
       rules: per-layer ``Rule`` overrides, first match wins.
       dynamic: compute activation scales at run time (per tensor, or per token where asked).
         One layer can be dynamic per token in a static config: a rule with
