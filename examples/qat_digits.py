@@ -12,7 +12,7 @@
 Prints float / PTQ / QAT accuracy and the realized bytes; exits with status 1 if QAT does not
 come within 1 point of float.
 
-Run: python examples/qat_digits.py [--steps 600] [--wbits 2] [--abits 4]
+Run: python examples/qat_digits.py [--steps 1000] [--wbits 2] [--abits 4]
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wbits", type=int, default=2, help="weight bits (2: ternary codes)")
     ap.add_argument("--abits", type=int, default=4, help="activation bits")
-    ap.add_argument("--steps", type=int, default=600, help="QAT steps")
-    ap.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate for QAT")
+    ap.add_argument("--steps", type=int, default=1000, help="QAT steps")
+    ap.add_argument(
+        "--lr", type=float, default=2e-3, help="peak Adam learning rate for QAT (cosine decay)"
+    )
     args = ap.parse_args(argv)
 
     data = digits.load()
@@ -79,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         m = jax.tree.map(lambda a, d: 0.9 * a + 0.1 * d, m, g)
         v = jax.tree.map(lambda a, d: 0.999 * a + 0.001 * d * d, v, g)
         mh, vh = 1 - 0.9**t, 1 - 0.999**t
-        p = jax.tree.map(
-            lambda w, a, b: w - args.lr * (a / mh) / (jnp.sqrt(b / vh) + 1e-8), p, m, v
-        )
+        lr = args.lr * 0.5 * (1 + jnp.cos(jnp.pi * t / args.steps))  # (cosine decay: settles)
+        p = jax.tree.map(lambda w, a, b: w - lr * (a / mh) / (jnp.sqrt(b / vh) + 1e-8), p, m, v)
         return p, m, v
 
     t0 = time.perf_counter()
