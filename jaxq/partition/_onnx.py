@@ -646,8 +646,8 @@ class _Exporter:
             return self.node("Concat", ins, axis=int(p["dimension"]))
         if name == "stack":  # (jnp.stack; loops unrolled by unroll_loops stack their ys)
             axis = int(p["axis"]) % len(out_aval.shape)
-            one = [1 if d == axis else n for d, n in enumerate(out_aval.shape)]
-            return self.node("Concat", [self.reshape(i, one) for i in ins], axis=axis)
+            unit = [1 if d == axis else n for d, n in enumerate(out_aval.shape)]
+            return self.node("Concat", [self.reshape(i, unit) for i in ins], axis=axis)
         if name == "slice":
             n = len(p["start_indices"])
             steps = p["strides"] or (1,) * n
