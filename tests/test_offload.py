@@ -719,6 +719,23 @@ def test_sum_pooling_exports_within_float_rounding_of_the_sum(window, strides, p
     assert np.all(np.abs(got - want) <= 2 * k * eps * np.asarray(pool(np.abs(x))))
 
 
+@pytest.mark.parametrize(
+    "dims, steps, padding, shape",
+    [
+        ((1, 1, 2, 2, 1), (1, 1, 2, 2, 1), "VALID", (2, 3, 6, 6, 1)),  # (Equinox's, vmapped)
+        ((1, 3, 3), (1, 2, 2), ((0, 0), (1, 1), (1, 1)), (4, 7, 7)),  # (one sample, CHW)
+    ],
+    ids=["three_unpooled_axes", "one_unpooled_axis"],
+)
+def test_max_pooling_with_other_than_two_unpooled_axes_exports(dims, steps, padding, shape):
+    """(Equinox's MaxPool2d under vmap pools a 5-D array: it stayed with XLA and split the
+    offloaded model in two regions.) The unpooled axes, merged, are ONNX's N and C."""
+    x = RNG.normal(size=shape).astype(np.float32)
+    pool = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, dims, steps, padding)
+    (got,) = run_onnx(pool, x)
+    np.testing.assert_array_equal(got, np.asarray(pool(x)))
+
+
 def test_a_realized_cnn_with_average_pooling_offloads_as_one_region():
     def net(p, x):
         dn = ("NHWC", "HWIO", "NHWC")

@@ -132,8 +132,10 @@ def _limit(e: C.JaxprEqn) -> str | None:
     if name in ("reduce_window_max", "reduce_window_sum"):
         kind = "max" if name == "reduce_window_max" else "sum"
         pooled = _pooled_axes(p)
-        if len(p["window_dimensions"]) - len(pooled) != 2 or not pooled:
-            return f"{kind} pooling that does not leave exactly two axes unpooled"
+        if not pooled or len(pooled) == len(p["window_dimensions"]):
+            return f"{kind} pooling that leaves no axis unpooled, or pools none"
+        if any(p["padding"][i] != (0, 0) for i in range(len(p["padding"])) if i not in pooled):
+            return f"{kind} pooling that pads an axis it does not pool"
         if any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"])):
             return f"dilated {kind} pooling"
         window = p["window_dimensions"]
@@ -1603,13 +1605,18 @@ class _Exporter:
         return [self.transpose(y, perm)]
 
     def pool(self, op: str, e: C.JaxprEqn, ins: list[str], **attrs: Any) -> list[str]:
-        """A ``reduce_window_*`` over all but two axes as ONNX pooling ``op``: the two unpooled
-        axes go first (as N and C), the pooled ones after them."""
+        """A ``reduce_window_*`` as ONNX pooling ``op``: the unpooled axes go first, as N and C
+        (the last one is C; the others, merged, N: Equinox's pooling under ``vmap`` keeps three),
+        the pooled ones after them."""
         p = e.params
         pooled = _pooled_axes(p)
         kept = [i for i in range(len(p["window_dimensions"])) if i not in pooled]
         perm = kept + pooled
         x = self.transpose(ins[0], perm)
+        shape = [shaped_aval(e.invars[0]).shape[i] for i in perm]
+        if len(kept) != 2:
+            nc = [math.prod(shape[: len(kept) - 1]), shape[len(kept) - 1]]
+            x = self.reshape(x, nc + shape[len(kept) :])
         y = self.node(
             op,
             [x],
@@ -1618,6 +1625,8 @@ class _Exporter:
             pads=[p["padding"][i][0] for i in pooled] + [p["padding"][i][1] for i in pooled],
             **attrs,
         )[0]
+        if len(kept) != 2:
+            y = self.reshape(y, [shaped_aval(e.outvars[0]).shape[i] for i in perm])
         return [self.transpose(y, [int(d) for d in np.argsort(perm)])]
 
     def fused_dot(self, e: C.JaxprEqn, ins: list[str]) -> list[str] | None:
