@@ -84,6 +84,27 @@ def test_a_nonfinite_row_is_nan_and_the_others_do_not_change(kind, mode, bad):
     np.testing.assert_array_equal(got[rows], want[rows])
 
 
+@pytest.mark.parametrize("mode", ["realize", "simulate"])
+@pytest.mark.parametrize(
+    "f, x",
+    [
+        (lambda p, x: (p["w"] @ x.T).T, X),  # (the rows' axis moves: their flags must move too)
+        (lambda p, x: (x.reshape(-1, 8) @ p["w"].T).reshape(2, 5, 16), np.stack([X, X[::-1]])),
+    ],
+    ids=["transposed", "samples_into_rows"],
+)
+def test_a_nonfinite_row_reached_through_moved_axes_spoils_no_other(f, x, mode):
+    """(Realize's int8 chains kept one flag per sample and, where a transpose or reshape moved
+    the samples, one for the whole tensor: one NaN made every output NaN.)"""
+    params = {"w": W1.T.copy()}
+    qf = Q(f, params, calibration=[(x,)], mode=mode, progress=False)
+    bad = x.copy()
+    bad.reshape(-1, 8)[3, 2] = np.nan
+    got, want = np.asarray(qf(bad)).reshape(-1, 16), np.asarray(qf(x)).reshape(-1, 16)
+    assert np.isnan(got[3]).all()
+    np.testing.assert_array_equal(np.delete(got, 3, 0), np.delete(want, 3, 0))
+
+
 @pytest.mark.parametrize("kind", ["static", "fixed_point", "dynamic"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_one_row_batch_is_nan_too(kind, bad):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -151,30 +152,63 @@ def _few_rows(eqn: C.JaxprEqn, wi: int, most: int) -> bool:
     return few_rows(shaped_aval(eqn.invars[1 - wi]).shape, (lc, rc)[1 - wi], most)
 
 
-def sample_mask(x: jax.Array) -> jax.Array:
-    """Per sample (leading axis), whether ``x`` holds NaN or Inf: ``[N, 1, ...]``."""
-    if x.ndim == 0:
-        return ~jnp.isfinite(x)
-    return jnp.any(~jnp.isfinite(x), axis=tuple(range(1, x.ndim)), keepdims=True)
+def sample_chains(source: Program, state: QState, chains: Mapping[str, str]) -> frozenset[str]:
+    """The layers whose chains may carry one NaN flag per sample (``[N, 1, ...]``, what an ONNX
+    export folds into one reduction): every equation of the chain keeps the leading axis, and
+    the layer's rows are the samples (a convolution's batch axis first, or a matmul whose only
+    free axis is the first). Other chains carry a flag per value (see :func:`follow_mask`)."""
+    eqns = {source.names[(i,)]: e for i, e in enumerate(source.jaxpr.jaxpr.eqns)}
+    out = set()
+    for name in set(chains.values()):
+        e, site = eqns[name], state.sites[name]
+        ai = 1 - site.weight_index
+        if e.primitive.name == "conv_general_dilated":
+            rows_are_samples = e.params["dimension_numbers"].lhs_spec[0] == 0 and ai == 0
+        else:
+            (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+            rank = len(shaped_aval(e.invars[ai]).shape)
+            kept = [d for d in range(rank) if d not in (lc, rc)[ai] and d not in (lb, rb)[ai]]
+            rows_are_samples = kept == [0] and not (lb, rb)[ai]
+        links = [eqns[n] for n, site_name in chains.items() if site_name == name]
+        if rows_are_samples and all(_keeps_lead(link) for link in links):
+            out.add(name)
+    return frozenset(out)
 
 
-def follow_mask(bad: Any, eqn: C.JaxprEqn, out_shape: tuple[int, ...]) -> Any:
-    """The sample mask after a pass-through equation: kept where the equation leaves the leading
-    axis in place, else one flag for the whole tensor (never a finite row for a bad one)."""
+def _keeps_lead(eqn: C.JaxprEqn) -> bool:
+    """Whether a pass-through equation leaves its input's leading axis first, whole."""
+    prim, p = eqn.primitive.name, eqn.params
+    in_shape = shaped_aval(eqn.invars[passthrough_input(eqn) or 0]).shape
+    out_shape = shaped_aval(eqn.outvars[0]).shape
+    if not in_shape or not out_shape or in_shape[0] != out_shape[0]:
+        return False
+    if prim == "transpose":
+        return p["permutation"][0] == 0
+    if prim == "broadcast_in_dim":
+        return tuple(p["broadcast_dimensions"])[:1] == (0,)
+    if prim == "reduce_window_max":
+        return p["window_dimensions"][0] == 1
+    if prim == "rev":
+        return 0 not in p["dimensions"]
+    if prim == "slice":
+        return p["start_indices"][0] == 0 and (p["strides"] or (1,))[0] == 1
+    return True
+
+
+def follow_mask(bad: Any, eqn: C.JaxprEqn) -> Any:
+    """Where the values after a pass-through equation were NaN or Inf (the codes cannot say):
+    a per-sample mask kept as it is (``sample_chains``), else the equation itself applied to
+    the mask, so a reshape or transpose that moves the rows moves their flags with them (a NaN
+    row spoils no other)."""
     if bad is None or np.ndim(bad) == 0:
         return bad
     prim, p = eqn.primitive.name, eqn.params
-    n = bad.shape[0]
-    in_shape = shaped_aval(eqn.invars[passthrough_input(eqn) or 0]).shape
-    keeps_lead = bool(out_shape) and out_shape[0] == n and in_shape[0] == n
-    if prim == "transpose":
-        keeps_lead = keeps_lead and p["permutation"][0] == 0
-    elif prim == "broadcast_in_dim":
-        keeps_lead = keeps_lead and tuple(p["broadcast_dimensions"])[:1] == (0,)
-    elif prim == "reduce_window_max":
-        keeps_lead = keeps_lead and p["window_dimensions"][0] == 1
-    elif prim == "rev":
-        keeps_lead = keeps_lead and 0 not in p["dimensions"]
-    if keeps_lead:
-        return bad.reshape((n,) + (1,) * (len(out_shape) - 1))
-    return jnp.any(bad)
+    if prim in ("max", "custom_jvp_call", "copy", "copy_p"):  # (elementwise: the same places)
+        return bad
+    out_shape = shaped_aval(eqn.outvars[0]).shape
+    if all(d == 1 for d in bad.shape[1:]) and _keeps_lead(eqn):
+        return bad.reshape((bad.shape[0],) + (1,) * (len(out_shape) - 1))
+    spread = jnp.broadcast_to(bad, shaped_aval(eqn.invars[passthrough_input(eqn) or 0]).shape)
+    if prim in _POOLS:  # (a max pooling of flags: as int8, whose pooling runs as the codes')
+        return eqn.primitive.bind(spread.astype(jnp.int8), **p) > 0
+    return eqn.primitive.bind(spread, **p)

@@ -48,7 +48,7 @@ from jaxq.quantize._chains import (
     follow_mask,
     passthrough_input,
     plan_chains,
-    sample_mask,
+    sample_chains,
 )
 from jaxq.quantize._config import Scheme
 from jaxq.quantize._intsums import int_dot
@@ -153,10 +153,12 @@ class Engine:
         *,
         mode: str = "simulate",
         verify_weights: bool = False,
+        samples: frozenset[str] = frozenset(),
     ) -> None:
         self.state = state
         self.verify_weights = verify_weights  # (a constant weight must be the one quantized)
         self.chains = dict(chains or {})
+        self.samples = samples  # (layers whose chains carry one NaN flag per sample)
         self.grams = dict(grams or {})  # layers to (re)quantize with GPTQ
         self.handler = handler
         self.mode = mode  # "simulate", "observe" or "realize": what a param weight becomes
@@ -314,7 +316,11 @@ class Engine:
             off = storage_offset(scheme)
             q = codes(x, scale, zp, scheme)
             zp_s = (zp + off).astype(np.int32 if isinstance(zp, np.generic) else jnp.int32)
-            bad = sample_mask(x) if self.state.config.nan_rows else None
+            bad = None
+            if self.state.config.nan_rows:  # (one flag per sample where that is exact)
+                bad = ~jnp.isfinite(x)
+                if site_name in self.samples and x.ndim > 1:
+                    bad = jnp.any(bad, axis=tuple(range(1, x.ndim)), keepdims=True)
             x = QTensor(int8_codes(q + off if off else q), scale, zp_s, bad)
         if visit.primitive in ("max", "custom_jvp_call"):  # ReLU: the code of 0 is the zero point
             out = jnp.maximum(x.codes, x.zero_point.astype(np.int8))
@@ -322,7 +328,7 @@ class Engine:
             new = list(invals)
             new[k] = x.codes
             out = visit.bind(*new)
-        qt = QTensor(out, x.scale, x.zero_point, follow_mask(x.bad, visit.eqn, out.shape))
+        qt = QTensor(out, x.scale, x.zero_point, follow_mask(x.bad, visit.eqn))
         return [qt] if visit.eqn.primitive.multiple_results else qt
 
     def fold_rule(self, visit: Visit, *invals: Any) -> Any:
@@ -815,8 +821,11 @@ def lower(
     (always in realize), float params otherwise. ``verify_weights``: a constant weight must be
     the one its layer's codes were made from (a function traced again at other shapes)."""
     source = state.source if source is None else source
-    chains = plan_chains(source, state) if integer_chains else None
-    engine = Engine(state, handler, chains, grams, mode=mode, verify_weights=verify_weights)
+    chains = plan_chains(source, state) if integer_chains else {}
+    samples = sample_chains(source, state, chains)
+    engine = Engine(
+        state, handler, chains, grams, mode=mode, verify_weights=verify_weights, samples=samples
+    )
     try:
         if state.params is None:
             out = rewrite(source, engine.rules(), scope="quantize")
