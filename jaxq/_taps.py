@@ -34,7 +34,8 @@ def intermediates(program: Program, names: str | Iterable[str], *args: Any, **kw
     empty = [n for n in wanted if not by_name[n].eqn.outvars]
     if empty:
         raise ValueError(
-            f"intermediates: {empty[:3]} have no result to tap (equations run only for an effect, such as debug_print)"
+            f"intermediates: {empty[:3]} have no result to tap (equations run only for an "
+            "effect, such as debug_print)"
         )
     closed = program.jaxpr
     taps = [by_name[n].eqn.outvars[0] for n in wanted]

@@ -22,11 +22,18 @@ def _clean():
         P.unregister_backend(name)
 
 
-def partitioned(f, compiler):
+def partitioned(f, compiler, *args):
     pipeline = Sequential(
         [P.annotate_target([compiler]), P.merge_compiler_regions(), P.partition_graph()]
     )
-    return pipeline(jaxq.trace(f, X))
+    return pipeline(jaxq.trace(f, *(args or (X,))))
+
+
+def run_claimed(backend, f, *args):
+    """``f`` partitioned for a compiler claiming what ``backend`` runs, built there, run."""
+    P.register_backend_support("claims", backend)  # (unregistered by _clean)
+    parts = partitioned(f, "claims", *args)
+    return parts, jax.jit(jaxq.build(parts, backends={"claims": backend}))(*args)
 
 
 def test_table_backends_list_sorted_names_with_the_calls_they_inline():
@@ -205,13 +212,7 @@ def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
     run time (integer division by 0, which XLA defines), or ran wrong (a clamp whose bounds
     cross gave lo; XLA gives hi)."""
     pytest.importorskip("onnxruntime")
-    P.register_backend_support("claims", "onnxruntime")
-    try:
-        passes = [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
-        parts = jaxq.transform.Sequential(passes)(jaxq.trace(f, *args))
-        got = jax.jit(jaxq.build(parts, backends={"claims": "onnxruntime"}))(*args)
-    finally:
-        P.unregister_compiler("claims")
+    _, got = run_claimed("onnxruntime", f, *args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))
 
 
@@ -275,12 +276,6 @@ def test_a_region_whose_results_nobody_reads_builds(backend):
 def test_what_the_host_backend_is_claimed_for_runs_as_xla_does(f, x):
     """numpy's ``>>`` of an unsigned int is a logical shift (XLA's arithmetic one fills with the
     top bit: 255 >> 1 is 255), and numpy's max of nothing raises (XLA gives -inf, INT_MAX...)."""
-    P.register_backend_support("claims", "host")
-    try:
-        passes = [P.annotate_target(["claims"]), P.merge_compiler_regions(), P.partition_graph()]
-        parts = jaxq.transform.Sequential(passes)(jaxq.trace(f, x))
-        assert P.regions(parts)
-        got = jaxq.build(parts, backends={"claims": "host"})(x)
-    finally:
-        P.unregister_compiler("claims")
+    parts, got = run_claimed("host", f, x)
+    assert P.regions(parts)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))

@@ -190,9 +190,7 @@ def _keeps_lead(eqn: C.JaxprEqn) -> bool:
         return p["window_dimensions"][0] == 1
     if prim == "rev":
         return 0 not in p["dimensions"]
-    if prim == "slice":
-        return p["start_indices"][0] == 0 and (p["strides"] or (1,))[0] == 1
-    return True
+    return True  # (a slice or reshape that keeps the axis's size keeps it whole)
 
 
 def follow_mask(bad: Any, eqn: C.JaxprEqn) -> Any:
