@@ -98,10 +98,15 @@ def save(
     args, kwargs = jax.tree.unflatten(
         program.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     )
+    # A file written on a GPU also runs on a CPU (serving): realize's GPU route is exact there. Not
+    # the other way round: a CPU-realized program's int8 dots gave wrong sums on XLA:GPU.
+    platforms = tuple(dict.fromkeys((jax.export.default_export_platform(), "cpu")))
     with C.no_source_locations():  # same bytes for the same model, no local paths in the file
         try:
             exported = bytes(
-                jax.export.export(jax.jit(with_consts))(const_specs, args, kwargs).serialize()
+                jax.export.export(jax.jit(with_consts), platforms=platforms)(
+                    const_specs, args, kwargs
+                ).serialize()
             )
         except NotImplementedError as e:
             if "callback" not in str(e):

@@ -69,6 +69,15 @@ def test_loaded_model_runs_without_the_model_code(tmp_path):
     np.testing.assert_array_equal(np.load(out_file), want)
 
 
+def test_a_file_saved_on_a_gpu_runs_on_a_cpu(tmp_path, monkeypatch):
+    # (a GPU machine quantizes, a CPU one serves: the file holds both lowerings)
+    monkeypatch.setattr(jax.export, "default_export_platform", lambda: "cuda")
+    loaded = jaxq.load(PROG.save(tmp_path / "m.jaxq"))
+    assert loaded.exported.platforms == ("cuda", "cpu")
+    want = jax.jit(PROG.as_fun())(X, shift=np.float32(0.5))["y"]
+    np.testing.assert_array_equal(loaded(X, shift=np.float32(0.5))["y"], want)
+
+
 def test_overwrite_is_atomic_and_leaves_no_temporaries(tmp_path):
     path = tmp_path / "m.jaxq"
     PROG.save(path)
