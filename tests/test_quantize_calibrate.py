@@ -1,6 +1,8 @@
 """Calibration: streaming observers with bounded memory, the four methods, the pass alone."""
 
 import re
+import sys
+import types
 
 import jax
 import numpy as np
@@ -90,6 +92,30 @@ def test_calibration_batches_of_other_shapes_and_progress(capsys):
     assert get_state(qf.program, "t").calibration["batches"] == 3
     assert "jaxq calibrate" in capsys.readouterr().err
     assert qf(cal[1][0]).shape == (3, 4)
+
+
+@pytest.mark.parametrize("style", ["closure", "params"])
+def test_progress_bar_knows_how_many_batches_a_list_holds(style, monkeypatch):
+    totals = []
+
+    class Bar:  # (a stand-in for tqdm: records the total tqdm would take from len())
+        def __init__(self, it, **kwargs):
+            self.it = it
+            totals.append(len(it) if hasattr(it, "__len__") else None)
+
+        def __iter__(self):
+            return iter(self.it)
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=Bar))
+    cal = [(RNG.normal(size=(2, 8)).astype(np.float32),) for _ in range(3)]
+    if style == "closure":
+        Q(layer, calibration=cal, progress=True)
+        Q(layer, calibration=iter(cal), progress=True)  # (a generator: no total)
+    else:
+        w = RNG.normal(size=(8, 4)).astype(np.float32)
+        Q(lambda w, x: x @ w, w, calibration=cal, progress=True)
+        Q(lambda w, x: x @ w, w, calibration=iter(cal), progress=True)
+    assert totals == [3, None]
 
 
 def test_param_progress_counts_weights(capsys):

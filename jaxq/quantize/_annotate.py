@@ -8,7 +8,7 @@ with its ``simulated_quantize`` markers removed, so a pass run between phases is
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxq import _warnings
@@ -151,6 +151,10 @@ def annotate(config: QConfig | None = None, *, params_argnum: int | None = None)
 
 
 def with_params(batches: Iterable[Any], params: Any) -> Iterable[tuple[Any, ...]]:
-    """Calibration tuples ``(x, ...)`` as arguments of ``f(params, x, ...)``."""
-    for b in batches:
-        yield (params, *(b if isinstance(b, tuple) else (b,)))
+    """Calibration tuples ``(x, ...)`` as arguments of ``f(params, x, ...)``: a list for a list
+    (the progress bar shows its length), else lazily."""
+
+    def lead(b: Any) -> tuple[Any, ...]:
+        return (params, *(b if isinstance(b, tuple) else (b,)))
+
+    return [lead(b) for b in batches] if isinstance(batches, Sequence) else map(lead, batches)

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -902,7 +902,10 @@ def quantize(
         ) from e
     phases = [annotate(config, params_argnum=0 if params is not None else None)]
     if batches is not None and needs_data:
-        data: Iterable[Any] = (drop(b) for b in batches)
+        # (a list in memory already stays one, so the progress bar knows how many batches)
+        data: Iterable[Any] = (
+            [drop(b) for b in batches] if isinstance(calibration, Sequence) else map(drop, batches)
+        )
         data = with_params(data, params) if params is not None else data
         phases.append(calibrate(data, progress=progress, retrace=retrace))
     if mode == "realize":
