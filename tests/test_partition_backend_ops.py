@@ -270,12 +270,18 @@ def test_a_region_whose_results_nobody_reads_builds(backend):
         (lambda x: lax.reduce_max(x, (0,)), np.zeros((0, 3), np.float32)),
         (lambda x: lax.reduce_min(x, (0,)), np.zeros((0, 3), np.int32)),
         (lambda x: lax.reduce_max(x, (1,)), np.zeros((2, 0), np.bool_)),
+        (lambda x: x / (x + 3), np.array([1, 2, 3, -4], jnp.bfloat16)),
+        (lambda x: lax.rem(x, x - x), np.array([1, 2, 3, -4], jnp.bfloat16)),
     ],
-    ids=["sra_uint8", "sra_uint8_out_of_range", "max_of_nothing", "min_of_nothing", "any_of_nothing"],
+    ids=["sra_uint8", "sra_uint8_out_of_range", "max_of_nothing", "min_of_nothing", "any_of_nothing",
+         "bf16_div", "bf16_rem_by_0"],
 )  # fmt: skip
 def test_what_the_host_backend_is_claimed_for_runs_as_xla_does(f, x):
     """numpy's ``>>`` of an unsigned int is a logical shift (XLA's arithmetic one fills with the
-    top bit: 255 >> 1 is 255), and numpy's max of nothing raises (XLA gives -inf, INT_MAX...)."""
+    top bit: 255 >> 1 is 255), numpy's max of nothing raises (XLA gives -inf, INT_MAX...), and
+    numpy does not count bfloat16 as floating (its division was an integer one)."""
     parts, got = run_claimed("host", f, x)
     assert P.regions(parts)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
+    want = np.asarray(jax.jit(f)(x))
+    assert got.dtype == want.dtype  # (compared as float64: numpy's NaN test skips bfloat16)
+    np.testing.assert_array_equal(np.float64(got), np.float64(want))

@@ -190,13 +190,14 @@ def _int_div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    return np.divide(x, y) if np.issubdtype(x.dtype, np.floating) else _int_div(x, y)
+    return np.divide(x, y) if jnp.issubdtype(x.dtype, jnp.inexact) else _int_div(x, y)
 
 
 def _rem(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """XLA's remainder: the sign of the dividend (C fmod); x % 0 = x for integers."""
-    if np.issubdtype(x.dtype, np.floating):
-        return np.fmod(x, y)
+    if jnp.issubdtype(x.dtype, jnp.floating):  # (bfloat16 too, which numpy does not count)
+        with np.errstate(invalid="ignore"):  # (x % 0 is NaN, as in XLA)
+            return np.fmod(x, y)
     x, y = np.broadcast_arrays(x, y)
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.fmod(x, np.where(y == 0, 1, y).astype(y.dtype))
