@@ -62,6 +62,21 @@ def test_int8_dots_equal_xla_bit_for_bit(m, k, n, batched, transposed, a_dtype, 
     np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, w)))
 
 
+def test_int8_dots_whose_uint8_products_pass_int16_in_pairs(monkeypatch):
+    """x86 without VNNI sums pairs of uint8 x int8 products in int16 with saturation
+    (193 * 82 + 243 * 114 = 43528 came out 32767: 8243, not 19004): there the weights are
+    shifted into uint8 too (the route pinned here, as on such a machine)."""
+    from jaxq.partition import _onnx
+
+    monkeypatch.setattr(_onnx, "_u8s8_exact", lambda: False)
+    x, w = np.array([[-7, 3, 65, 115]], np.int8), np.array([[-120], [-92], [82], [114]], np.int8)
+    f = lambda x, w: lax.dot_general(
+        x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+    )
+    (got,) = run_onnx(f, x, w)
+    np.testing.assert_array_equal(got, [[19004]])
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     st.sampled_from([("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")]),

@@ -7,7 +7,9 @@ reshapes, transposes, slices, concatenations, casts, reductions, ``select_n``); 
 writes it maps onto ONNX's integer kernels: an int8 x int8 -> int32 ``dot_general`` becomes
 ``MatMulInteger`` and an int8 convolution im2col + ``MatMulInteger``, their int8 activations
 shifted by 128 into uint8 with a zero point of 128 (exact: ``sum((a + 128 - 128) w) = sum(a w)``),
-the operand type ONNX Runtime's x86 kernels run fast. Pattern rules write realize's idioms as ONNX
+the operand type ONNX Runtime's x86 kernels run fast (on x86 without VNNI, whose uint8 x int8
+kernels add pairs of products in int16 with saturation, the int8 weights are shifted too: uint8 x
+uint8 is exact there). Pattern rules write realize's idioms as ONNX
 Runtime's fused kernels where they compute the same numbers (or within float rounding): its
 quantize as ``QuantizeLinear``, an int8 dot with its zero-point term, float rescale and bias as
 ``com.microsoft.MatMulIntegerToFloat`` (the zero-point term checked on the weights' values),
@@ -28,7 +30,9 @@ import hashlib
 import itertools
 import math
 import os
+import platform
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -166,6 +170,20 @@ _ORT_DTYPES: dict[str, tuple[str, ...]] = {
 """The dtypes (of the last operand) ONNX Runtime's CPU kernels take, for the primitives whose
 kernels do not take every dtype the exporter writes (measured on onnxruntime 1.32: the others
 fail to open the model)."""
+
+
+@functools.cache
+def _u8s8_exact() -> bool:
+    """Whether ONNX Runtime's uint8 x int8 kernels sum exactly on this machine. On x86 without
+    VNNI they add pairs of products in int16 with saturation (``vpmaddubsw``: 255 * 127 * 2 >
+    32767), seen as wrong sums on an AVX2 EPYC; VNNI's and ARM's kernels widen first."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False  # (unknown: the uint8 x uint8 kernels are exact everywhere)
+    return bool(flags & {"avx512_vnni", "avx_vnni"})
 
 
 def _plain_divisor(v: Any) -> bool:
@@ -1306,6 +1324,18 @@ class _Exporter:
         u8 = self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0]
         return u8, self.const(128, np.uint8)
 
+    def weights_u8(self, w: str, dtype: Any) -> tuple[str, str]:
+        """The right operand of an 8-bit kernel and its zero point: as it is (zero point 0), or
+        int8 shifted into uint8 (zero point 128) where uint8 x int8 kernels saturate (see
+        ``_u8s8_exact``)."""
+        if np.dtype(dtype) == np.uint8 or _u8s8_exact():
+            return w, self.const(0, dtype)
+        wide = self.node("Cast", [w], to=self.onnx.TensorProto.INT16)
+        shifted = self.node("Add", [wide[0], self.const(128, np.int16)])
+        return self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0], self.const(
+            128, np.uint8
+        )
+
     def shadow(self, e: C.JaxprEqn, ins: list[str], outs: list[str]) -> None:
         """Write the uint8 twin (``value + 128``) of an int8 result whose inputs have twins,
         where the op commutes with the shift: shape ops, pooling, a max or min with a constant
@@ -1468,6 +1498,9 @@ class _Exporter:
             fill_in = self.const(np.full(shape, c + 128, np.uint8))
             xu8 = self.node("Concat", [xu8, fill_in], axis=int(dn.lhs_spec[1]))[0]
             w8 = np.pad(w8, [(0, 0), (0, short), *[(0, 0)] * (w8.ndim - 2)])
+        w_zp = np.zeros(n, np.int8)
+        if not _u8s8_exact():  # (shifted after the zero channels are padded in)
+            w8, w_zp = (w8.astype(np.int16) + 128).astype(np.uint8), np.full(n, 128, np.uint8)
         xu8 = self.transpose(xu8, dn.lhs_spec)
         ins = [
             xu8,
@@ -1475,7 +1508,7 @@ class _Exporter:
             self.const(c + 128, np.uint8),
             self.const(w8),
             self.const(scale.astype(np.float32)),
-            self.const(np.zeros(n, np.int8)),
+            self.const(w_zp),
             self.const(s, np.float32),
             self.const(zp + 128, np.uint8),
             self.const(qbias.astype(np.int32)),
@@ -1550,8 +1583,8 @@ class _Exporter:
         }
         if x_dtype in _INT8:
             # (padded positions hold the zero point: they add (zp - zp) * w = 0, as 0 * w in XLA)
-            zps = [zp, self.const(0, w_dtype)] if zp is not None else []
-            y = self.node("ConvInteger", [x, w, *zps], **attrs)[0]
+            w, w_zp = self.weights_u8(w, w_dtype)
+            y = self.node("ConvInteger", [x, w, zp or self.const(0, np.uint8), w_zp], **attrs)[0]
         else:
             y = self.node("Conv", [x, w], **attrs)[0]
         want = np.dtype(shaped_aval(e.outvars[0]).dtype)
@@ -1591,9 +1624,8 @@ class _Exporter:
         k = int(np.prod(kernel, dtype=np.int64)) * c
         col = self.node("Concat", cols, axis=-1)[0] if len(cols) > 1 else cols[0]
         col = self.node("Reshape", [col, self.const([-1, k], np.int64)])[0]
-        w = self.reshape(w, [k, o])
-        zps = [zp, self.const(0, wa.dtype)] if zp is not None else []
-        y = self.node("MatMulInteger", [col, w, *zps])[0]
+        w, w_zp = self.weights_u8(self.reshape(w, [k, o]), wa.dtype)
+        y = self.node("MatMulInteger", [col, w, zp or self.const(0, np.uint8), w_zp])[0]
         y = self.node("Reshape", [y, self.const([n, *out_sp, o], np.int64)])[0]
         if np.dtype(out_aval.dtype) != np.int32:
             y = self.node("Cast", [y], to=self.helper.np_dtype_to_tensor_dtype(out_aval.dtype))[0]
@@ -1656,15 +1688,16 @@ class _Exporter:
         if not flat:
             x = self.reshape(self.transpose(x, [*fa, *ca]), [m, k])
         y = self.reshape(self.transpose(ins[wi], [*cw, *fw]), [k, n])
-        ins_ = [x, y, self.const(1.0, np.float32)]
+        yw, y_zp = self.weights_u8(y, wa.dtype)
+        ins_ = [x, yw, self.const(1.0, np.float32)]
         ins_ += [self.const(scales.reshape(-1 if scales.size > 1 else ()))]
-        ins_ += [self.const(a_zp, np.uint8)]
+        ins_ += [self.const(a_zp, np.uint8), y_zp]
         out_rank = len(fa) + len(fw)
         after, bias, poison = self.biased(mul, scales.size, _weight_axes(wi, out_rank, len(fw)))
         chain = [*chain, mul, *after]
         last = chain.pop()
         if bias is not None:
-            ins_ += ["", self.const(bias)]
+            ins_ += [self.const(bias)]
         fused = self.node("MatMulIntegerToFloat", ins_, domain="com.microsoft")
         self.contrib = True
         shape = list(shaped_aval(mul.outvars[0]).shape)
@@ -1716,8 +1749,8 @@ class _Exporter:
                 x = self.reshape(self.transpose(x, [*bx, *fx, *cx]), [*lead, m, k])
             y = self.reshape(self.transpose(ins[1], [*by, *cy, *fy]), [*lead, k, n])
         if integer:
-            zps = [zp, self.const(0, ya.dtype)] if zp is not None else []
-            out = self.node("MatMulInteger", [x, y, *zps])
+            y, y_zp = self.weights_u8(y, ya.dtype)
+            out = self.node("MatMulInteger", [x, y, zp or self.const(0, np.uint8), y_zp])
         else:
             out = self.node("MatMul", [x, y])
         out_aval = shaped_aval(e.outvars[0])
