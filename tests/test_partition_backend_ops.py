@@ -285,3 +285,23 @@ def test_what_the_host_backend_is_claimed_for_runs_as_xla_does(f, x):
     want = np.asarray(jax.jit(f)(x))
     assert got.dtype == want.dtype  # (compared as float64: numpy's NaN test skips bfloat16)
     np.testing.assert_array_equal(np.float64(got), np.float64(want))
+
+
+@pytest.mark.parametrize(
+    "y, x",
+    [
+        (5, np.array([3, 100, -100, 128], np.int32)),  # (wraps past 2**31, as in XLA)
+        (5, np.array([1, 2, -3], np.int8)),
+        (7, np.array([1, 2, 3], np.uint16)),
+        (7, np.linspace(-1.7, 2.3, 9, dtype=np.float32)),
+        (-3, np.linspace(0.3, 2.3, 9, dtype=np.float32)),
+    ],
+)
+def test_onnx_runtime_integer_powers_are_xlas(y, x):
+    """ONNX Pow saturated int32 overflow (XLA wraps) and had no 8- or 16-bit kernels; the
+    exporter now multiplies as XLA does (square and multiply), so floats round alike too."""
+    pytest.importorskip("onnxruntime")
+    f = lambda a: lax.integer_pow(a, y)
+    parts, got = run_claimed("onnxruntime", f, x)
+    assert P.regions(parts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))

@@ -544,11 +544,20 @@ class _Exporter:
             return self.node("Reciprocal", self.node("Sqrt", ins))
         if name == "square":
             return self.node("Mul", [ins[0], ins[0]])
-        if name == "integer_pow" and 1 <= p["y"] <= 4:  # multiplies (ONNX Pow is slow)
-            out = ins[0]
-            for _ in range(p["y"] - 1):
-                out = self.node("Mul", [out, ins[0]])[0]
-            return [out]
+        floating = np.dtype(out_aval.dtype).kind == "f"
+        if name == "integer_pow" and (p["y"] > 0 or (p["y"] < 0 and floating)):
+            # XLA's square-and-multiply: its rounding, and integers wrap (ONNX Pow saturates them,
+            # takes no 8- or 16-bit ones, and is slow)
+            out: str | None = None
+            base, y = ins[0], abs(p["y"])
+            while y:
+                if y & 1:
+                    out = base if out is None else self.node("Mul", [out, base])[0]
+                y >>= 1
+                if y:
+                    base = self.node("Mul", [base, base])[0]
+            assert out is not None
+            return self.node("Reciprocal", [out]) if p["y"] < 0 else [out]
         if name == "integer_pow":
             y = self.const(p["y"], shaped_aval(e.invars[0]).dtype)
             return self.node("Pow", [ins[0], y])
