@@ -55,6 +55,8 @@ def test_sequential_rejects_non_passes_by_name():
         T.Sequential([T.identity(), lambda p: p])
     with pytest.raises(TypeError, match="item 0 is 3 of type int, not a Pass"):
         T.Sequential([3])
+    with pytest.raises(TypeError, match=r"a pass factory\? call it: name_expressions\(...\)"):
+        T.Sequential([T.name_expressions, T.infer_layouts()])
 
 
 def test_pass_rejects_non_programs():

@@ -89,6 +89,17 @@ def program_pass(
     return wrap if fn is None else wrap(fn)
 
 
+def _makes_passes(f: Callable[..., Any]) -> bool:
+    """Whether ``f`` is a pass factory (``name_expressions``, not ``name_expressions()``): its
+    return annotation names a Pass."""
+    ret = getattr(f, "__annotations__", {}).get("return")
+    return (
+        isinstance(ret, str)
+        and ret.split(".")[-1] in ("Pass", "Sequential")
+        or (isinstance(ret, type) and issubclass(ret, Pass))
+    )
+
+
 class Sequential(Pass):
     """Passes run in order; itself a pass. Supports ``len``, iteration and slicing (a slice is a
     Sequential), so a pipeline can be bisected: ``seq[:3](program)``."""
@@ -104,7 +115,11 @@ class Sequential(Pass):
         for i, p in enumerate(passes):
             if not isinstance(p, Pass):
                 hint = (
-                    " (a function? wrap it with jaxq.transform.program_pass)" if callable(p) else ""
+                    f" (a pass factory? call it: {getattr(p, '__name__', 'f')}(...))"
+                    if callable(p) and _makes_passes(p)
+                    else " (a function? wrap it with jaxq.transform.program_pass)"
+                    if callable(p)
+                    else ""
                 )
                 raise TypeError(
                     f"Sequential: item {i} is {p!r} of type {type(p).__name__}, not a Pass{hint}"
