@@ -121,6 +121,20 @@ def test_numeric_check_names_the_pass_that_changed_numbers():
             T.Sequential([T.identity(), bad])(PROG)
 
 
+def test_numeric_check_compares_prng_keys_by_their_bits():
+    def step(key, x):  # (it raised numpy's "PRNGKey dtype cannot be converted" TypeError)
+        key, sub = jax.random.split(key)
+        return key, x + jax.random.normal(sub, x.shape)
+
+    key = jax.random.key(0)
+    prog = jaxq.trace(step, key, X)
+    with T.PassContext(instruments=[T.NumericCheck(key, X)]):
+        T.identity()(prog)
+        flip = lambda p: T.rewrite(p, {"random_split": lambda v, k, **_: jax.random.split(k)[::-1]})
+        with pytest.raises(T.PassError, match="output 0"):
+            T.program_pass(flip, name="flip")(prog)
+
+
 @pytest.mark.parametrize("where", ["all", "some"])
 def test_numeric_check_names_values_a_pass_made_nan(where):
     x = np.linspace(-1, 1, 6, dtype=np.float32)
