@@ -179,7 +179,9 @@ def test_weights_on_the_left_realize_like_weights_on_the_right(config, closed):
         for f in (left, right)
     ]
     ys = [np.asarray(jax.jit(q)(x)) for q in qs]
-    np.testing.assert_array_equal(ys[0], ys[1])
+    # (bit-equal on AVX-512 machines; XLA:CPU's AVX2 code rounds the fixed-point rescale of one
+    # orientation an ulp apart)
+    np.testing.assert_allclose(ys[0], ys[1], rtol=3e-7, atol=0)
     assert np.isnan(ys[0][2]).all() and not np.isnan(ys[0][[0, 1, 3, 4]]).any()
     dots = [e for e in qs[0].program.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert [d.invars[1].aval.shape for d in dots] == [(8, 16)]  # (the weight codes on the right)
