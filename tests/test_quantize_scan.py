@@ -545,6 +545,30 @@ def test_an_int8_kv_cache_is_carried_as_codes_and_scales():
         )
 
 
+def test_an_integer_buffer_written_in_a_decode_loop_is_not_a_kv_cache():
+    """Token ids kept per step (int32, written like a cache) went through an int8 scale: the
+    ids came back wrong. Only float carries are caches."""
+    rng, params, cal, xs, ref, plain = decode_case(7, 2)
+
+    def with_ids(params, xs):
+        def step(carry, x):
+            kc, ids, t = carry
+            kc = jax.lax.dynamic_update_slice(kc, (x @ params["k"])[:, None], (0, t, 0))
+            top = jax.lax.top_k(jnp.einsum("bd,btd->bt", x @ params["q"], kc), 2)[1]
+            ids = jax.lax.dynamic_update_slice(ids, (top * 1000 + 7)[:, None], (0, t, 0))
+            return (kc, ids, t + 1), None
+
+        init = (jnp.zeros((B, T, D)), jnp.zeros((B, T, 2), jnp.int32), jnp.int32(0))
+        return jax.lax.scan(step, init, xs)[0][1]
+
+    cfg = QConfig(kv_cache=True, activations=None)
+    qf = Q(with_ids, params, calibration=cal, config=cfg, progress=False)
+    (loop,) = [e for e in qf.specialize(xs).equations() if e.primitive == "scan"]
+    carried = [(str(a.dtype), tuple(a.shape)) for a in loop.in_avals]
+    assert ("int8", (B, T, D)) in carried and ("int32", (B, T, 2)) in carried
+    assert np.all(np.asarray(qf(xs)) % 1000 == 7)  # (ids as written; an int8 scale broke them)
+
+
 def stacked_decode(params, xs):
     """A decode loop over a layer stack: each layer's cache is a slice of one stacked cache,
     threaded through the layer scan as xs and back as ys (the MaxText / nn.scan layout)."""

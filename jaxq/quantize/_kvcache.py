@@ -70,8 +70,11 @@ def cache_carries(body: Any, n_consts: int, n_carry: int) -> list[int]:
 
 
 def _written(jaxpr: Any, i: int, o: int) -> bool:
-    """Whether output ``o`` of ``jaxpr`` is its input ``i`` with whole vectors written in."""
+    """Whether output ``o`` of ``jaxpr`` is its float input ``i`` with whole vectors written in
+    (an integer buffer, e.g. of token ids, is never a cache: its values are not scaled)."""
     var, out = jaxpr.invars[i], jaxpr.outvars[o]
+    if not jnp.issubdtype(var.aval.dtype, jnp.floating):
+        return False
     producers = {id(v): (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
     hit = producers.get(id(out))
     if hit is None:

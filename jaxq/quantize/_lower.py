@@ -848,7 +848,7 @@ def lower(
     if engine.kv_on and not engine.kv_caches:
         raise QuantizeError(
             "quantize: QConfig(kv_cache=True) found no KV cache: it looks for a lax.scan that "
-            "params enter (a decode loop) with a carry the body writes with "
+            "params enter (a decode loop) with a float carry the body writes with "
             "lax.dynamic_update_slice (whole vectors along the last axis) and returns. Pass the "
             "weights as params and write the cache with lax.dynamic_update_slice, or drop kv_cache."
         )
