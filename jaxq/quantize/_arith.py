@@ -64,6 +64,18 @@ def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
     return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
 
 
+@jax.custom_jvp
+def straight_through(x: jax.Array, fake: jax.Array) -> jax.Array:
+    """``fake`` (``x`` fake-quantized), whose derivative in ``x`` is 1: the straight-through
+    estimator, for codes computed with ``codes`` (``jnp.round`` has derivative 0)."""
+    return fake
+
+
+@straight_through.defjvp
+def _straight_through_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
+    return primals[1], tangents[0].astype(primals[1].dtype)
+
+
 INT8_VIA_INT32_MIN = 2**16
 """Tensors at least this large reach int8 through int32 (see ``int8_codes``)."""
 

@@ -39,6 +39,7 @@ from jaxq.quantize._arith import (
     int8_codes,
     quantize_weight,
     storage_offset,
+    straight_through,
     traced_qweight,
     view_qweight,
 )
@@ -507,8 +508,9 @@ class Engine:
         sl, sr = scale(lhs, tuple(lc), scheme), scale(rhs, tuple(rc), scheme)
         zero = np.float32(0)
         ql, qr = codes(lhs, sl, zero, scheme), codes(rhs, sr, zero, scheme)
-        if self.mode == "simulate":
-            return visit.bind((ql * sl).astype(lhs.dtype), (qr * sr).astype(rhs.dtype))
+        if self.mode == "simulate":  # (QAT: gradients straight through the rounding)
+            fl = straight_through(lhs, (ql * sl).astype(lhs.dtype))
+            return visit.bind(fl, straight_through(rhs, (qr * sr).astype(rhs.dtype)))
         acc = int_dot(int8_codes(ql), int8_codes(qr), visit.params["dimension_numbers"])
         l_free = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
         r_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
