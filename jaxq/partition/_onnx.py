@@ -544,23 +544,22 @@ class _Exporter:
             return self.node("Reciprocal", self.node("Sqrt", ins))
         if name == "square":
             return self.node("Mul", [ins[0], ins[0]])
-        floating = np.dtype(out_aval.dtype).kind == "f"
-        if name == "integer_pow" and (p["y"] > 0 or (p["y"] < 0 and floating)):
+        if name == "integer_pow":
+            y = p["y"]
+            if y == 0 or (y < 0 and np.dtype(out_aval.dtype).kind != "f"):
+                return self.node("Pow", [ins[0], self.const(y, shaped_aval(e.invars[0]).dtype)])
             # XLA's square-and-multiply: its rounding, and integers wrap (ONNX Pow saturates them,
             # takes no 8- or 16-bit ones, and is slow)
             out: str | None = None
-            base, y = ins[0], abs(p["y"])
-            while y:
-                if y & 1:
+            base, k = ins[0], abs(y)
+            while k:
+                if k & 1:
                     out = base if out is None else self.node("Mul", [out, base])[0]
-                y >>= 1
-                if y:
+                k >>= 1
+                if k:
                     base = self.node("Mul", [base, base])[0]
             assert out is not None
-            return self.node("Reciprocal", [out]) if p["y"] < 0 else [out]
-        if name == "integer_pow":
-            y = self.const(p["y"], shaped_aval(e.invars[0]).dtype)
-            return self.node("Pow", [ins[0], y])
+            return self.node("Reciprocal", [out]) if y < 0 else [out]
         if name == "dot_general":
             return self.dot_general(e, ins)
         if name == "broadcast_in_dim":
@@ -1328,10 +1327,7 @@ class _Exporter:
             return self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0], self.const(
                 128, np.uint8
             )
-        wide = self.node("Cast", [x], to=self.onnx.TensorProto.INT16)
-        shifted = self.node("Add", [wide[0], self.const(128, np.int16)])
-        u8 = self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0]
-        return u8, self.const(128, np.uint8)
+        return self.plus_128(x), self.const(128, np.uint8)
 
     def weights_u8(self, w: str, dtype: Any) -> tuple[str, str]:
         """The right operand of an 8-bit kernel and its zero point: as it is (zero point 0), or
@@ -1339,11 +1335,13 @@ class _Exporter:
         ``_u8s8_exact``)."""
         if np.dtype(dtype) == np.uint8 or _u8s8_exact():
             return w, self.const(0, dtype)
-        wide = self.node("Cast", [w], to=self.onnx.TensorProto.INT16)
+        return self.plus_128(w), self.const(128, np.uint8)
+
+    def plus_128(self, x: str) -> str:
+        """int8 values as uint8 ``x + 128`` (through int16: exact)."""
+        wide = self.node("Cast", [x], to=self.onnx.TensorProto.INT16)
         shifted = self.node("Add", [wide[0], self.const(128, np.int16)])
-        return self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0], self.const(
-            128, np.uint8
-        )
+        return self.node("Cast", shifted, to=self.onnx.TensorProto.UINT8)[0]
 
     def shadow(self, e: C.JaxprEqn, ins: list[str], outs: list[str]) -> None:
         """Write the uint8 twin (``value + 128``) of an int8 result whose inputs have twins,
