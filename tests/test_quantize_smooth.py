@@ -192,3 +192,19 @@ def test_awq_protects_the_weights_of_large_activation_channels():
             assert s[:4].min() > s[4:].max()  # the loud channels are scaled up
             assert "awq" in qf.report().layers[0].weights
     assert err["awq"] < 0.8 * err["minmax"], err
+
+
+@pytest.mark.parametrize("cfg", [QConfig(smoothing=0.5), QConfig(weight_calibration="awq")])
+def test_recalibrating_a_smoothed_function_measures_the_float_inputs_again(cfg):
+    # realize(calibration=...) calibrates the simulate program again: its smoothing factors come
+    # from the float inputs, not from inputs scaled by the factors of the first calibration
+    params = {"w": W}
+    f = lambda p, x: layer(x) @ p["w"].T
+    qs = Q(f, params, calibration=CALIB, config=cfg, mode="simulate", progress=False)
+    direct = Q(f, params, calibration=CALIB, config=cfg, progress=False)
+    again = qs.realize(params, calibration=CALIB)
+    state, want = get_state(again.program, "t"), get_state(direct.program, "t")
+    assert state.smooth.keys() == want.smooth.keys() and want.smooth
+    for k in want.smooth:
+        np.testing.assert_allclose(state.smooth[k], want.smooth[k], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(again(X)), np.asarray(direct(X)))

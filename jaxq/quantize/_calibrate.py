@@ -496,6 +496,9 @@ def calibrate_program(
         # weight); pass 2 calibrates the smoothed operands.
         if iter(data) is data:  # a one-shot iterator: keep the batches for the second pass
             data = list(data)
+        # (a program calibrated before is measured again without its factors: they would
+        # otherwise scale the inputs pass 1 measures, and the new factors replace them)
+        state = state.replace(smooth={}, act_absmax={})
         absmax: dict[str, np.ndarray] = {}
         if config.smooths:
             _, ranges, _ = observe(state, data, keys=[], histogram=False, gptq=False, absmax=True)
