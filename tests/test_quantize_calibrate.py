@@ -149,6 +149,17 @@ def test_dynamic_needs_no_calibration():
     np.testing.assert_allclose(np.asarray(qf(x)), np.asarray(layer(x)), atol=0.05)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("mode", ["realize", "simulate"])
+def test_dynamic_scales_of_an_empty_batch(symmetric, mode):
+    # a serving loop's empty batch: zero rows give zero outputs, not a reduction error
+    cfg = QConfig(dynamic=True, activations=Scheme(symmetric=symmetric))
+    f = lambda p, x: x @ p
+    qf = Q(f, W, example_args=(np.ones((4, 8), np.float32),), config=cfg, mode=mode)
+    for fn in (qf, jax.jit(qf)):
+        assert fn(np.zeros((0, 8), np.float32)).shape == (0, 4)
+
+
 def test_pass_context_sets_the_method():
     x = RNG.normal(size=(16, 8)).astype(np.float32)
     prog = Q.annotate(QConfig())(jaxq.trace(layer, x))

@@ -322,10 +322,11 @@ def act_qparams(
         row_bad = jnp.any(~jnp.isfinite(xf), axis=site.reduce_axes, keepdims=True)
         xf = jnp.where(row_bad, jnp.float32(0), xf)
     keep = scheme.granularity == "token"
+    # (initial 0: the range holds 0 anyway, and an empty batch then has one, not an error)
+    hi = jnp.max(jnp.abs(xf) if scheme.symmetric and scheme.signed else xf, ax, None, keep, 0.0)
     if scheme.symmetric:  # one reduction: the scale only needs max|x| (signed) or max(x)
-        hi = jnp.max(jnp.abs(xf) if scheme.signed else xf, ax, keepdims=keep)
         return range_to_qparams(-hi if scheme.signed else jnp.zeros_like(hi), hi, scheme)
-    return range_to_qparams(jnp.min(xf, ax, keepdims=keep), jnp.max(xf, ax, keepdims=keep), scheme)
+    return range_to_qparams(jnp.min(xf, ax, None, keep, 0.0), hi, scheme)
 
 
 def fake_quant_act(
