@@ -280,6 +280,10 @@ def test_bad_params_get_errors_that_name_the_path():
         QuantizeError, match=r"params\['dense'\]\[1\]\['weight'\]: expected float32\[16,16\]"
     ):
         qf.quantize_params(bad)
+    with pytest.raises(
+        QuantizeError, match=r"\['dense'\]\[0\]\['kernel'\] is a QArray.*takes the float"
+    ):
+        qf.quantize_params(qf.params)
     with pytest.raises(QuantizeError, match="QArrays already"):
         Q(model, qf.params, calibration=BATCHES, progress=False)
     with pytest.raises(ValueError, match="not both"):

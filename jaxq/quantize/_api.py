@@ -244,6 +244,8 @@ class QuantizedFunction:
                         "(mode='simulate' fake-quantizes the float weights it is given; "
                         "qf.realize(params) makes the integer function)."
                         if self.mode == "simulate"
+                        else "(quantize_params takes the float params and makes the QArrays)."
+                        if not quantized
                         else "(it feeds no quantized layer)."
                     )
                 )
