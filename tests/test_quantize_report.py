@@ -58,6 +58,19 @@ def test_report_has_sqnr_worst_first_and_matches_a_direct_measurement(qf):
     assert all(math.isnan(r.sqnr_db) for r in empty.layers)
 
 
+@pytest.mark.parametrize("method", ["mse", "gptq"])
+def test_the_weight_column_names_how_codes_were_chosen_for_params_too(method):
+    params = {"w0": W0, "w1": W1}
+    f = lambda p, x: jax.nn.relu(x @ p["w0"]) @ p["w1"]
+    cfg, cal = jaxq.QConfig(weight_calibration=method), [(x,) for x in X]
+    qf = jaxq.quantize(f, params, calibration=cal, config=cfg, progress=False)
+    assert all(r.weights.endswith(f" {method}") for r in qf.report().layers)
+    if method == "gptq":  # (simulate rounds the params it is given; GPTQ's codes come at realize)
+        with pytest.warns(UserWarning, match="GPTQ chooses codes"):
+            qs = jaxq.quantize(f, params, calibration=cal, config=cfg, mode="simulate")
+        assert all("gptq (at realize" in r.weights for r in qs.report().layers)
+
+
 def test_report_as_json_and_png(qf, tmp_path):
     rep = qf.report(sample=(X[0],))
     data = json.loads(rep.to_json(tmp_path / "report.json"))

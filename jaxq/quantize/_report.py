@@ -16,7 +16,7 @@ import numpy as np
 from jaxq._program import Program
 from jaxq.quantize._annotate import unmatched_rules
 from jaxq.quantize._qarray import QArray, is_qarray
-from jaxq.quantize._state import QState, QuantizeError, get_state
+from jaxq.quantize._state import QState, QuantizeError, QWeight, get_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,9 +382,7 @@ def make_report(
                 e.name,
                 e.primitive,
                 status,
-                site.weights.short()
-                + (f" {qw.method}" if qw and qw.method != "minmax" else "")
-                + (_smoothed(state, e.name)),
+                site.weights.short() + _method(state, e.name, qw) + (_smoothed(state, e.name)),
                 acts,
                 wscale,
                 a_scale,
@@ -404,6 +402,20 @@ def make_report(
         calibration=dict(state.calibration),
         param_bytes=param_bytes(program, qparams),
     )
+
+
+def _method(state: QState, name: str, qw: QWeight | None) -> str:
+    """`` mse`` or `` gptq`` where a layer's weight codes were not chosen by min/max: as its
+    constant weight records, or for a param leaf (quantized by quantize_params) as the config
+    asks where calibration measured what the method needs."""
+    if qw is not None:
+        return "" if qw.method == "minmax" else f" {qw.method}"
+    method = state.config.weight_calibration
+    if method == "gptq" and name not in state.grams and f"{name}@0" not in state.grams:
+        return ""  # (a layer GPTQ does not apply to: min/max)
+    if method == "gptq" and state.mode == "simulate" and state.params is not None:
+        return " gptq (at realize; simulate rounds)"
+    return f" {method}" if method in ("mse", "gptq") else ""
 
 
 def _smoothed(state: QState, name: str) -> str:
