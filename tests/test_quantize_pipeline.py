@@ -168,6 +168,34 @@ def test_each_granularity_calibrated_end_to_end(gran, rounding):
     assert np.abs(out_r - ref).max() < 0.25 * np.abs(ref).max()
 
 
+def test_group_granularity_from_the_config_is_per_channel_where_it_does_not_apply():
+    # a 3-D kernel (Flax DenseGeneral in attention) and a convolution: per channel, said once,
+    # while the 2-D matmul keeps its groups
+    k3 = (RNG.normal(size=(8, 2, 3)) * 0.3).astype(np.float32)
+
+    def f(x):
+        h = cnn(x)
+        with jax.named_scope("Heads"):
+            h = jnp.einsum("bk,knd->bnd", h, k3)
+        with jax.named_scope("Out"):
+            return h.reshape(h.shape[0], -1) @ W1[:6, :8]
+
+    grouped = Scheme(bits=4, granularity="group", group_size=2)
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) get one weight scale per channel.*Conv_0"):
+        qf = Q(f, calibration=[(XI,)], config=QConfig(weights=grouped), progress=False)
+    schemes = {r.name: r.weights for r in qf.report().layers}
+    assert schemes == {
+        "CNN/Conv_0/conv_general_dilated": "int4 sym channel",
+        "CNN/Dense_0/dot_general": "int4 sym group(2)",
+        "Heads/bk,knd->bnd/dot_general": "int4 sym channel",
+        "Out/dot_general": "int4 sym group(2)",
+    }, schemes
+    per_channel = Scheme(bits=4, granularity="channel")
+    rules = (Rule(pattern="Conv_0|Heads", weights=per_channel),)
+    want = Q(f, calibration=[(XI,)], config=QConfig(weights=grouped, rules=rules), progress=False)
+    np.testing.assert_array_equal(np.asarray(qf(XI)), np.asarray(want(XI)))
+
+
 def _fields(s):
     return {
         f: getattr(s, f)
@@ -477,13 +505,9 @@ def test_bad_input():
             config=QConfig(weights=Scheme(granularity="group", group_size=5)),
             progress=False,
         )
-    with pytest.raises(QuantizeError, match="granularity='group' needs a 2-D weight"):
-        Q(
-            cnn,
-            calibration=[(XI,)],
-            config=QConfig(weights=Scheme(granularity="group", group_size=2)),
-            progress=False,
-        )
+    grouped = Scheme(granularity="group", group_size=2)
+    with pytest.raises(QuantizeError, match=r"granularity='group' needs a 2-D weight.*rules\[0\]"):
+        Q(cnn, calibration=[(XI,)], config=QConfig(rules=(Rule(weights=grouped),)), progress=False)
     with pytest.raises(ValueError, match="mode must be one of"):
         Q(mlp, calibration=[(X,)], mode="int8")
     with pytest.raises(QuantizeError, match="no quantization state"):

@@ -117,6 +117,16 @@ def annotate_program(
             "weights closed over (jaxq.quantize(functools.partial(f, params), ...)), or use "
             "requantize='float'."
         )
+    if warn and engine.per_channel:
+        shown = [f"{k} {list(v)}" for k, v in sorted(engine.per_channel.items())]
+        _warnings.warn(
+            f"jaxq.quantize: granularity='group' applies to 2-D matmul weights; "
+            f"{len(shown)} layer(s) get one weight scale per channel instead (convolutions, "
+            f"N-D kernels such as DenseGeneral's): {', '.join(shown[:4])}"
+            + (" ..." if len(shown) > 4 else "")
+            + ". qf.report() shows each layer's scheme",
+            UserWarning,
+        )
     missing = unmatched_rules(config, state.matched_rules)
     if warn and missing:
         warnings.warn(

@@ -167,6 +167,9 @@ class Engine:
         self.site_leaves: dict[str, int] = {}  # the param leaf of every param site
         self.sites: dict[str, Site] = {}
         self.skipped: dict[str, str] = {}
+        # layers the config's granularity="group" does not apply to (a convolution, an N-D
+        # kernel): per channel instead, with their weight shapes
+        self.per_channel: dict[str, tuple[int, ...]] = {}
         self.weights: dict[str, QWeight] = dict(state.weights)
         self.matched: set[int] = set()
         self.inlined: set[tuple[Any, ...]] = {()}
@@ -649,6 +652,8 @@ class Engine:
         in_loop = visit.path[:-1] not in self.inlined
         layers = raw[wi].layers if isinstance(raw[wi], WeightRef) else 0
         site = make_site(visit, config, wi, weights, acts, rule, in_loop, layers)
+        if not isinstance(site, str) and site.weights.granularity != weights.granularity:
+            self.per_channel[name] = tuple(shaped_aval(visit.eqn.invars[wi]).shape)
         if isinstance(site, str):
             self.skipped[name] = site
             return bind_float()

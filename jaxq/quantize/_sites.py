@@ -4,6 +4,7 @@ token)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -164,13 +165,21 @@ def make_site(
         return geo
     channel, contract, reduce = geo
     w_aval = shaped_aval(visit.eqn.invars[wi])
-    if weights.granularity == "group":
-        if visit.primitive != "dot_general" or len(w_aval.shape) != 2 or len(contract) != 1:
+    if weights.granularity == "group" and (
+        visit.primitive != "dot_general" or len(w_aval.shape) != 2 or len(contract) != 1
+    ):
+        ruled = None if rule is None else config.rules[rule].weights
+        if not (isinstance(ruled, Scheme) and ruled.granularity == "group"):
+            # (the config's default meets a convolution or an N-D kernel, such as a Flax
+            # DenseGeneral in attention: one scale per channel there; annotate says which)
+            weights = dataclasses.replace(weights, granularity="channel", group_size=None)
+        else:
             raise QuantizeError(
                 f"quantize: granularity='group' needs a 2-D weight with one contracted axis "
-                f"(a matmul); {visit.name!r} is a {visit.primitive} with weight shape "
-                f"{tuple(w_aval.shape)}. Use a Rule to give this layer 'channel' granularity."
+                f"(a matmul); {visit.name!r} (rules[{rule}]) is a {visit.primitive} with weight "
+                f"shape {tuple(w_aval.shape)}. Give it 'channel' granularity in that Rule."
             )
+    if weights.granularity == "group":
         k = w_aval.shape[contract[0]]
         if k % weights.group_size:
             raise QuantizeError(
