@@ -288,6 +288,7 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
             closed = jax.make_jaxpr(flat_fun)(*flat)
         if hasattr(f, "lower"):  # (a jax.jit-decorated function: the program is its body)
             closed = _jit_body(closed)
+        closed = _own_constants(closed)
     except jax.errors.JAXTypeError as e:
         raise TraceError(
             f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}\n"
@@ -304,6 +305,21 @@ def trace(f: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> P
         )
         raise TraceError(f"jaxq.trace could not trace {name}: {type(e).__name__}: {e}{hint}") from e
     return Program(closed, in_tree, out_tree_box[-1], in_paths, name=_identifier(name))
+
+
+def _own_constants(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """The program with its own read-only copy of each writable numpy array the function closed
+    over: tracing keeps them by reference, so changing the user's array afterwards would change
+    an immutable program's results (``jax.jit`` copies them to the device when it compiles)."""
+    if not any(isinstance(c, np.ndarray) and c.flags.writeable for c in closed.consts):
+        return closed
+    consts = []
+    for c in closed.consts:
+        if isinstance(c, np.ndarray) and c.flags.writeable:
+            c = c.copy()  # (its own class: jax 0.12 keeps numpy constants as a subclass)
+            c.flags.writeable = False
+        consts.append(c)
+    return C.ClosedJaxpr(closed.jaxpr, consts)
 
 
 def _jit_body(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:

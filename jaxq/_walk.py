@@ -168,6 +168,12 @@ class _Walker:
                 f"rule for {visit.primitive} failed at equation {visit.name!r}: "
                 f"{type(e).__name__}: {e}"
             ) from e
+        if out is None or (visit.eqn.primitive.multiple_results and any(o is None for o in out)):
+            raise RewriteError(
+                f"rule for {visit.primitive} at {visit.name!r} returned None; a rule returns "
+                "the equation's output (visit.bind(*invals) for the equation as it is): is a "
+                "return missing?"
+            )
         if visit.eqn.primitive.multiple_results:
             return list(out)
         if isinstance(out, (list, tuple)):

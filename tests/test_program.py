@@ -197,3 +197,16 @@ def test_copying_a_program_gives_the_program():
     prog = jaxq.trace(lambda x: jnp.sin(x) * 2.0, jnp.ones(3))
     box = copy.deepcopy({"program": prog})
     assert box["program"] is prog and copy.copy(prog) is prog
+
+
+def test_a_program_keeps_the_values_of_numpy_arrays_it_closed_over():
+    # (tracing keeps them by reference: changing the user's array must not change the program)
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    x = np.ones((2, 3), np.float32)
+    prog = jaxq.trace(lambda x: x @ w + 1.0, x)
+    want = np.asarray(prog(x))
+    w[:] = 0.0
+    np.testing.assert_array_equal(np.asarray(prog(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(prog.as_fun())(x)), want)
+    _, consts = jaxq.split_constants(prog)
+    assert not any(np.shares_memory(c, w) for c in consts)

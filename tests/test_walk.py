@@ -160,3 +160,5 @@ def test_a_rule_that_changes_an_equations_type_is_an_error():
         jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: v.bind(x).astype(jnp.int32)})
     with pytest.raises(RewriteError, match=r"returned a list; reduce_sum has one output"):
         jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: [v.bind(x)]})
+    with pytest.raises(RewriteError, match=r"reduce_sum at 'reduce_sum' returned None.*return"):
+        jaxq.transform.rewrite(prog, {"reduce_sum": lambda v, x: None})
