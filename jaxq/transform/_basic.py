@@ -112,8 +112,10 @@ def fold_constants(max_elements: int = 4096) -> Pass:
     Scale arithmetic on constant params (an activation scale times a weight scale, a zero point's
     dtype) then reaches a backend as one constant instead of equations of its own; results larger
     than ``max_elements`` (a weight dequantized to float) stay computed at run time, so the program
-    does not grow by a copy of the model. A ``select_n`` whose constant predicate picks one case
-    (``jnp.var``'s ``where(n - ddof > 0, ...)``) is that case. Equations with effects and
+    does not grow by a copy of the model. A ``select_n`` whose predicate is a constant in its own
+    body and picks one case is that case (not where the predicate comes from an argument of a
+    ``jit`` call, as in ``jnp.var``'s ``where(n - ddof > 0, ...)``: call arguments are not
+    propagated into bodies, which are kept as they are). Equations with effects and
     sub-programs (jit, scan, ...) are left as they are; their equations are folded inside, except
     in bodies that JAX re-binds without constants of their own (``scan`` / ``while`` bodies on
     newer JAX). Annotations (``on_device``, ``stop_fusion``, ``simulated_quantize``, ...) are
