@@ -79,6 +79,12 @@ def test_entropy_is_not_ruled_by_a_relus_zeros():
     assert his[1] > 0.8 * his[0], his
 
 
+def test_entropy_of_an_all_zero_input():
+    # (a dead ReLU's input: bin 0 holds every value, and took bin 1's count, none)
+    lo, hi = observe([np.zeros(1000, np.float32)]).value_range("entropy", Scheme(), 99.99)
+    assert np.isfinite(hi) and hi >= 0 and lo <= 0
+
+
 def test_methods_end_to_end_and_streaming_minmax():
     xs = [RNG.normal(size=(16, 8)).astype(np.float32) * (i + 1) for i in range(3)]
     prog = Q.annotate(QConfig())(jaxq.trace(layer, xs[0]))

@@ -149,11 +149,11 @@ class Observer:
         divergence from the reference one."""
         ah = self._abs_hist().astype(np.float64)
         nb = len(ah)
+        last = int(np.flatnonzero(ah)[-1]) + 1  # the last nonempty bin
         if nb > 1:  # (a ReLU's zeros fill bin 0 and rule the divergence: NVIDIA's fix)
             ah[0] = ah[1]
         levels = 2 ** (scheme.bits - 1) if scheme.signed or scheme.symmetric else 2**scheme.bits
         levels = min(levels, nb)
-        last = int(np.flatnonzero(ah)[-1]) + 1  # the last nonempty bin
         if last <= levels:
             return last * self._radius() / nb
         best, best_i = math.inf, last
