@@ -208,7 +208,9 @@ class QArray:
 
     def dequantize(self) -> jax.Array:
         """``scale * (codes - zero_point)`` as ``dtype``, with ``simulated_quantize``'s arithmetic
-        (float32, then cast)."""
+        (float32, then cast). The weight as its layer computes with it: for a layer smoothed by
+        SmoothQuant or AWQ that is ``s * W`` (each input channel scaled by its factor, which the
+        program divides the activation by), not ``W``."""
         q = self.int_codes().astype(jnp.float32)
         if self.zero_point is not None:
             q = q - self.full(self.zero_point).astype(jnp.float32)
