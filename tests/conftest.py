@@ -7,12 +7,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
+from strategies import examples  # noqa: E402
 
 hypothesis.settings.register_profile(
     "jaxq",
     derandomize=True,
     database=None,
-    max_examples=20,
+    max_examples=examples(20),
     deadline=None,
     print_blob=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large],

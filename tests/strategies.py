@@ -8,6 +8,7 @@ custom_jvp regions. Weights are closed-over constants, so the traced jaxpr has c
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+EXAMPLES = float(os.environ.get("JAXQ_TEST_EXAMPLES", "1"))
+"""A factor on every property's number of examples: CI's second stack runs them with fewer
+(``JAXQ_TEST_EXAMPLES=0.25``), the first with all."""
+
+
+def examples(n: int) -> int:
+    """``n`` examples, scaled by ``JAXQ_TEST_EXAMPLES`` (at least 2)."""
+    return max(2, round(n * EXAMPLES))
+
 
 OPS = (
     "unary",

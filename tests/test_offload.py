@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from jax import lax
+from strategies import examples
 
 import jaxq
 from jaxq.partition._onnx import export_onnx, onnx_codegen
@@ -37,7 +38,7 @@ def codes(rng, shape, dtype=np.int8):
     return rng.integers(info.min, info.max + 1, size=shape).astype(dtype)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     st.integers(1, 5),  # rows
     st.integers(1, 40),  # contracted
@@ -77,7 +78,7 @@ def test_int8_dots_whose_uint8_products_pass_int16_in_pairs(monkeypatch):
     np.testing.assert_array_equal(got, [[19004]])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     st.sampled_from([("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")]),
     st.tuples(st.integers(1, 3), st.integers(1, 3)),  # kernel
@@ -396,7 +397,7 @@ def run_onnx_ops(f, *args):
     return [np.asarray(y) for y in run(*args)], {n.op_type for n in run.model.graph.node}
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     st.sampled_from([1.0, 1.37, 0.61]),  # scale: mantissa
     st.integers(-8, 3),  # scale: exponent
@@ -433,7 +434,7 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     assert "QuantizeLinear" in ops and "Round" not in ops
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     st.integers(1, 6),  # rows
     st.integers(1, 40),  # contracted
@@ -480,7 +481,7 @@ def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
     assert fused == (zp_fits and not (wrong and cols.any()))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     st.integers(1, 5),  # input channels
     st.integers(1, 6),  # output channels
@@ -661,7 +662,7 @@ def test_an_onnx_runtime_without_the_fused_kernel_gets_standard_ops(monkeypatch)
     np.testing.assert_array_equal(np.asarray(run(x)[0]), np.asarray(qf(x)))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     st.booleans(),  # asymmetric activations (zero-point terms)
     st.booleans(),  # asymmetric weights

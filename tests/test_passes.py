@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import examples
 
 import jaxq
 from jaxq import transform as T
@@ -285,7 +286,7 @@ def test_fold_constants_runs_on_loops_whose_bodies_hold_constant_subexpressions(
     assert top.count("mul") == 1  # (outside the loop the constant product still folds)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(st.integers(0, 4), st.integers(0, 3), st.booleans(), st.integers(0, 5))
 def test_unroll_loops_computes_the_same_without_loops(length, inner, reverse, max_length):
     # integer arithmetic: any evaluation order gives the same numbers, so equality is exact

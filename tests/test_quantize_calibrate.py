@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import examples
 
 import jaxq
 import jaxq.quantize as Q
@@ -36,7 +37,7 @@ def observe(batches, method_hist=True):
     return o
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(st.lists(st.floats(0.01, 50.0), min_size=1, max_size=5), st.integers(0, 1000))
 def test_histogram_is_bounded_and_conserves_counts(scales, seed):
     rng = np.random.default_rng(seed)

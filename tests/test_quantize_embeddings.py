@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from strategies import examples
 
 import jaxq
 from jaxq.quantize import QArray, QConfig, QuantizeError, Rule, Scheme
@@ -269,7 +270,7 @@ def lookups(draw):
     )
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(lookups())
 def test_random_tables_and_indices(case):
     table, ids, name, bits = case

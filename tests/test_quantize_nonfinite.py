@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from jax import lax
+from strategies import examples
 
 from jaxq import quantize as Q
 from jaxq.quantize import QConfig, QuantizeError, Scheme
@@ -168,7 +169,7 @@ def test_nan_rows_false_drops_the_check_and_nothing_else(model):
         QConfig(nan_rows=0)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(st.integers(0, 4), st.floats(-50, 50, allow_nan=False, width=32), st.integers(0, 7))
 def test_per_token_rows_are_independent(row, value, col):
     qf = make("token", "realize")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from strategies import examples
 
 import jaxq
 from jaxq import quantize as Q
@@ -414,7 +415,7 @@ def param_models(draw):
     return f, params, x
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(param_models(), st.sampled_from(["static", "dynamic", "weights"]))
 def test_random_param_pytrees_realize_like_the_closure_style(case, acts):
     f, params, x = case
@@ -673,7 +674,7 @@ def test_without_int8_kernels_merged_axes_and_grouped_convolutions_run_in_chunks
         qf(np.ones((1, 320, 1), np.float32))
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(param_models())
 def test_random_param_pytrees_get_straight_through_gradients(case):
     """QAT: the gradient of the simulated function with respect to every param equals that of

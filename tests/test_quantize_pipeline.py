@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
-from strategies import programs
+from strategies import examples, programs
 
 import jaxq
 import jaxq.quantize as Q
@@ -110,7 +110,7 @@ SCHEMES = st.builds(
 )
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(
     st.sampled_from([1, 3]),
     SCHEMES,
@@ -211,7 +211,7 @@ def _fields(s):
     }
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(SCHEMES, SCHEMES, st.sampled_from(["tensor", "channel"]))
 def test_conv_schemes_realized_vs_simulated(w, a, gran):
     w = Scheme(**{**_fields(w), "granularity": gran})
@@ -234,7 +234,7 @@ def test_weight_only_matches_simulated(bits):
 # ---- simulate mode ----------------------------------------------------------------------------------
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(SCHEMES, st.integers(0, 2**16))
 def test_simulated_error_within_half_scale(scheme, seed):
     rng = np.random.default_rng(seed)
@@ -640,7 +640,7 @@ def test_rule_quantizes_a_bias_add_weights_only():
 
 
 @pytest.mark.filterwarnings("ignore:jaxq.quantize.*inside scan:UserWarning")
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 @given(programs(max_ops=6))
 def test_random_programs_quantize_in_both_modes(rp):
     """Nested jit / scan / cond / while / remat / custom_jvp: quantization never breaks a program;
@@ -787,7 +787,7 @@ def test_dimension_numbers_and_conv_variants(case, asym_weights):
     assert np.abs(out_r - ref).max() < 0.05 * np.abs(ref).max()
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(
     st.sampled_from([("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW"), ("NHWC", "OIHW", "NCHW")]),
     st.tuples(st.integers(1, 3), st.integers(1, 2)),  # kernel size

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from strategies import examples
 
 from jaxq import quantize as Q
 from jaxq.quantize import QArray, QConfig, QuantizeError, Scheme
@@ -63,7 +64,7 @@ def batches(rng, n=2, rows=5, shift=0.0):
     return [((rng.normal(size=(rows, D)) + shift).astype(np.float32),) for _ in range(n)]
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     st.integers(1, 4),  # layers
     st.booleans(),  # reverse
@@ -444,7 +445,7 @@ def test_while_loops_and_branches_that_read_params_are_quantized():
         assert sqnr_db(np.asarray(f(params, *k)), y) > 30
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     st.lists(st.integers(0, 4), min_size=1, max_size=3),  # trip counts of the batches
     st.integers(0, 2),  # which branch of a three-way switch

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import examples
 from test_quantize_pipeline import reference_dense
 
 import jaxq
@@ -26,7 +27,7 @@ def rtn(w, s, qmin=-127, qmax=127):
     return np.clip(np.rint(w / s), qmin, qmax)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from([(16, 5), (130, 3)]))
 def test_gptq_on_independent_inputs_is_round_to_nearest(seed, shape):
     # a diagonal second moment couples no rows: nothing to compensate
@@ -37,7 +38,7 @@ def test_gptq_on_independent_inputs_is_round_to_nearest(seed, shape):
     np.testing.assert_array_equal(gptq_codes(w, s, 0.0, (-127, 127), gram, 0.1), rtn(w, s))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from([4, 3]))
 def test_gptq_lowers_output_error_on_its_data(seed, bits):
     rng = np.random.default_rng(seed)
@@ -132,7 +133,7 @@ def test_gptq_needs_calibration():
         Q.realize()(program)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from(["tensor", "channel"]), st.booleans())
 def test_mse_clipping_never_worse_than_minmax(seed, gran, symmetric):
     rng = np.random.default_rng(seed)

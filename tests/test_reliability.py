@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from jax import lax
+from strategies import examples
 
 import jaxq
 from jaxq import partition as P
@@ -92,7 +93,7 @@ def on_onnxruntime(f, *args):
     return P.build(parts, backends={"ort_ints": "onnxruntime"})
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(int_programs())
 def test_random_integer_programs_on_the_host_equal_xla_bit_for_bit(case):
     f, x, y, ops = case
