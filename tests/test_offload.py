@@ -107,6 +107,33 @@ def test_int8_convolutions_equal_xla_bit_for_bit(dn, ks, strides, dil, pad, grou
     np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, w)))
 
 
+@pytest.mark.parametrize("bound", [64, 65])
+@pytest.mark.parametrize("a_dtype", [np.int8, np.uint8])
+@pytest.mark.xla_cpu
+def test_seven_bit_weights_keep_the_uint8_by_int8_kernels_exactly(monkeypatch, bound, a_dtype):
+    """Constant weight codes in [-64, 64] stay int8 where the kernels sum pairs in int16 (a pair
+    is at most 2 * 255 * 64 = 32640): the worst case here, largest activations against weights
+    at the bound, pairs of equal sign. One code beyond it is shifted into uint8 instead."""
+    from jaxq.partition import _onnx
+
+    monkeypatch.setattr(_onnx, "_u8s8_exact", lambda: False)
+    top = np.iinfo(a_dtype).max
+    x = np.full((3, 16), top, a_dtype)
+    x[1, ::2] = np.iinfo(a_dtype).min
+    w = np.tile(np.array([[bound], [-bound]], np.int8), (8, 5))
+    w[:, 0] = bound
+    w[:, 1] = -min(bound, 64)
+
+    def f(x):
+        return lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+
+    (got,) = run_onnx(f, x)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x)))
+    model = export_onnx(jaxq.trace(f, x))
+    weights = [t for t in model.graph.initializer if tuple(t.dims) == w.shape]
+    assert [t.data_type for t in weights] == [3 if bound == 64 else 2]  # INT8 / UINT8
+
+
 def test_the_ops_realize_writes_export_exactly():
     x = RNG.normal(size=(4, 6, 6, 3)).astype(np.float32) * 3
     x[1, 2, 3, 0] = np.nan
@@ -629,9 +656,10 @@ def test_a_realized_mlp_runs_in_one_onnx_region_as_xla_computes_it():
     np.testing.assert_array_equal(np.asarray(jax.jit(fast)(x)), np.asarray(qf(x)))
     v = jax.vmap(fast)(x[:, None])  # the callback's vmap rule: one call per example
     np.testing.assert_array_equal(np.asarray(v)[:, 0], np.asarray(qf(x)))
-    # the weights are bound into the ONNX model as int8 initializers (prepacked once)
+    # the weights are bound into the ONNX model as 8-bit initializers (prepacked once): int8,
+    # or shifted into uint8 where the uint8 x int8 kernels saturate (x86 without VNNI)
     run = onnx_codegen(region.program())
-    int8_inits = {tuple(t.dims) for t in run.model.graph.initializer if t.data_type == 3}
+    int8_inits = {tuple(t.dims) for t in run.model.graph.initializer if t.data_type in (2, 3)}
     assert {(24, 48), (48, 10)} <= int8_inits
     assert [i.name for i in run.session.get_inputs()] == ["in0"]  # the activations only
     ops = {n.op_type for n in run.model.graph.node}
