@@ -428,18 +428,42 @@ def test_begin_missing_on_an_operand():
         P.partition_graph()(prog)
 
 
-def test_hand_made_cyclic_region_is_refused():
+def test_a_region_reading_its_own_results_is_split_where_it_reads_them():
     #   begin -> sin -> end -> cos(outside) -> begin -> mul -> end   all one region by hand:
-    #   the region would need cos's result, which needs the region's own result
+    #   the region would need cos's result, which needs the region's own result. The mul reads
+    #   sin's value as if it had left through compiler_end and entered again: two regions.
     def f(x):
         b = compiler_begin(x, "A")
         s = jnp.sin(b)
         c = jnp.cos(compiler_end(s, "A"))
         return compiler_end(s * compiler_begin(c, "A"), "A")
 
-    prog = jaxq.trace(f, *ones(3))
-    with pytest.raises(P.PartitionError, match="cycle"):
-        P.partition_graph()(prog)
+    (x,) = ones(3)
+    prog = jaxq.trace(f, x)
+    for passes in ([P.partition_graph()], [P.merge_compiler_regions(), P.partition_graph()]):
+        out = T.Sequential(passes)(prog)
+        assert [(r.primitives, r.num_inputs) for r in P.regions(out)] == [
+            (("sin",), 1),
+            (("mul",), 2),
+        ]
+        np.testing.assert_array_equal(np.asarray(out(x)), np.asarray(f(x)))
+
+
+def test_the_gradient_of_an_annotated_function_partitions_into_forward_and_backward_regions():
+    # (the backward pass reads the forward region's residuals, which JAX makes without an end)
+    def f(x, w):
+        y = jnp.tanh(compiler_begin(x, "A") @ compiler_begin(w, "A"))
+        return jnp.sum(compiler_end(y, "A") ** 2)
+
+    x, w = np.ones((2, 3), np.float32), np.full((3, 4), 0.1, np.float32)
+    g = jax.grad(f, argnums=(0, 1))
+    prog = jaxq.trace(g, x, w)
+    for passes in ([P.partition_graph()], [P.merge_compiler_regions(), P.partition_graph()]):
+        out = T.Sequential(passes)(prog)
+        forward, backward = P.regions(out)
+        assert "tanh" in forward.primitives and backward.primitives.count("dot_general") == 2
+        for got, want in zip(out(x, w), g(x, w), strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
 
 def test_a_jit_decorated_function_is_partitioned_like_the_function():

@@ -18,7 +18,8 @@ from typing import Any
 
 from jaxq import _compat as C
 from jaxq._program import Program
-from jaxq.partition._regions import BEGIN, END, NodeGraph, analyze, find_root, node_graph
+from jaxq.partition._partition_graph import acyclic
+from jaxq.partition._regions import BEGIN, END, NodeGraph, find_root
 from jaxq.transform import Pass, program_pass
 
 
@@ -27,11 +28,10 @@ def merge_compiler_regions() -> Pass:
     compiler_end / compiler_begin pairs between merged regions are removed)."""
 
     def _run(program: Program) -> Program:
-        an = analyze(program.jaxpr.jaxpr)
+        program, an, graph = acyclic(program)
         base = len(an.compiler)
         if base < 2:
             return program
-        graph = node_graph(an)
         find = _merge_groups(an.compiler, graph)
         return _rebuild(program, an, graph.node_of, find)
 

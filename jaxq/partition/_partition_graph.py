@@ -12,8 +12,17 @@ import jax
 from jaxq import _compat as C
 from jaxq import _warnings
 from jaxq._program import Program
-from jaxq.partition._regions import BEGIN, END, analyze, node_graph
-from jaxq.transform import Pass, program_pass
+from jaxq.annotate import compiler_begin, compiler_end
+from jaxq.partition._regions import (
+    BEGIN,
+    END,
+    Analysis,
+    NodeGraph,
+    PartitionError,
+    analyze,
+    node_graph,
+)
+from jaxq.transform import Pass, program_pass, rewrite
 
 META_KEY = "partition.regions"
 """``program.meta[META_KEY]``: ``{region function name: compiler}`` for every extracted region."""
@@ -28,15 +37,18 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
     * closed-over constants used by the region are bound into it (``bind_constants=False`` passes
       them as parameters instead); literals stay literals;
     * a region may have several results (the call returns them all);
-    * the compiler_begin / compiler_end annotations are removed.
+    * the compiler_begin / compiler_end annotations are removed;
+    * an equation that reads a region's value and also a value computed from that region's
+      results is not part of it (it would make a cycle): the value leaves the region and enters
+      the reader's, as through compiler_end and compiler_begin. So the gradient of an annotated
+      function partitions into a forward and a backward region (its backward pass reads the
+      forward region's residuals, which JAX makes without an end).
 
     The compiler of each region is recorded in ``program.meta["partition.regions"]`` and read back
     by :func:`regions`.
     """
 
     def _run(program: Program) -> Program:
-        closed = program.jaxpr
-        jaxpr = closed.jaxpr
         nested = [
             e.name
             for e in program.equations()
@@ -50,15 +62,17 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
                 "unit), or write the annotations outside it",
                 UserWarning,
             )
-        an = analyze(jaxpr)
+        program, an, graph = acyclic(program)
         found = an.regions()
         if not found:
             return program
+        closed = program.jaxpr
+        jaxpr = closed.jaxpr
         fname = function or program.name
         known = dict(program.meta.get(META_KEY, {}))
         start = len(known)
         const_val = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        order = node_graph(an).order
+        order = graph.order
         eqns = jaxpr.eqns
         subst: dict[Any, Any] = {}  # outer value -> outer value (duplicate region results)
         calls: dict[int, C.JaxprEqn] = {}
@@ -69,10 +83,8 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
         out: list[C.JaxprEqn] = []
         base = len(an.compiler)
         for node in order:
-            if node < base:
-                out.append(calls[node])
-                continue
-            eqn = eqns[node - base]
+            # (a region may read another's duplicate result too: the region's own call)
+            eqn = calls[node] if node < base else eqns[node - base]
             if subst:
                 new = [v if C.is_literal(v) else subst.get(v, v) for v in eqn.invars]
                 if any(a is not b for a, b in zip(new, eqn.invars, strict=True)):
@@ -88,6 +100,42 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
         return _run(program)
 
     return run
+
+
+def acyclic(program: Program) -> tuple[Program, Analysis, NodeGraph]:
+    """``program``'s regions and their graph. Where they form a cycle only because equations
+    read a region's values after its results (the backward pass of an annotated function reads
+    the forward region's residuals), the program with those operands leaving the region and
+    entering the reader's anew (:func:`_cut`): two regions of one compiler, as a user would write
+    them. Any other cycle is a :class:`PartitionError`."""
+    an = analyze(program.jaxpr.jaxpr)
+    try:
+        return program, an, node_graph(an)
+    except PartitionError:
+        crossings = analyze(program.jaxpr.jaxpr, cut=True).crossings
+        if not crossings:
+            raise
+    program = _cut(program, crossings)
+    an = analyze(program.jaxpr.jaxpr)
+    return program, an, node_graph(an)
+
+
+def _cut(program: Program, crossings: dict[int, dict[int, str]]) -> Program:
+    """``program`` with each crossing operand (``analyze(..., cut=True)``) passed through
+    ``compiler_end`` and ``compiler_begin`` of its region's compiler: a value leaving its region
+    and entering the reading equation's, as a user would annotate it."""
+
+    def rule(visit: Any, *invals: Any) -> Any:
+        cut = crossings.get(visit.path[0]) if len(visit.path) == 1 else None
+        if cut:
+            invals = tuple(
+                compiler_begin(compiler_end(v, cut[j]), cut[j]) if j in cut else v
+                for j, v in enumerate(invals)
+            )
+        return visit.bind(*invals)
+
+    prims = {program.jaxpr.jaxpr.eqns[i].primitive.name for i in crossings}
+    return rewrite(program, dict.fromkeys(prims, rule), recurse=False)
 
 
 def _extract(

@@ -63,6 +63,9 @@ class Analysis:
         self.producer: dict[Any, int] = {}
         self.constvars = set(jaxpr.constvars)
         self._names: dict[Any, str] | None = None
+        self.crossings: dict[int, dict[int, str]] = {}
+        """With ``analyze(..., cut=True)``: operands that must leave their region and enter the
+        reading equation's anew (equation -> operand position -> that region's compiler)."""
 
     # union-find over region ids
     def new_region(self, compiler: str) -> int:
@@ -108,11 +111,22 @@ def _short(eqn: C.JaxprEqn) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def analyze(jaxpr: C.Jaxpr) -> Analysis:
-    """Find the regions of ``jaxpr``'s top level; raise :class:`AnnotationError` on bad annotations."""
+def analyze(jaxpr: C.Jaxpr, *, cut: bool = False) -> Analysis:
+    """Find the regions of ``jaxpr``'s top level; raise :class:`AnnotationError` on bad annotations.
+
+    With ``cut``, an equation reading a region's value and also a value computed from that
+    region's results (through its compiler_end) does not join that region, which would make a
+    cycle, and the operand is recorded in ``crossings``: the backward pass of an annotated
+    function reads the forward region's residuals this way (JAX makes them without an end). The
+    analysis is then only good for finding crossings (:func:`cut_crossings` writes them).
+    """
     an = Analysis(jaxpr)
     eqns = jaxpr.eqns
     interior: dict[Any, int] = {}
+    # (cut) the regions whose results each value is computed from, through their compiler_end
+    exited: dict[Any, frozenset[int]] = {}
+    none: frozenset[int] = frozenset()
+    after = lambda vs: none.union(*(exited.get(v, none) for v in vs if not C.is_literal(v)))
     kind, region, constvars = an.kind, an.region, an.constvars
     # Equations computing constants (no operands but literals, closed-over constants and other such
     # equations' results) are decided last, from their users: see _settle_constants.
@@ -124,6 +138,12 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
         for v in eqn.outvars:
             an.producer[v] = i
         prim = eqn.primitive
+        if cut:
+            through = after(eqn.invars)
+            if prim is compiler_end_p and eqn.invars[0] in interior:
+                through |= {an.find(interior[eqn.invars[0]])}
+            if through:
+                exited.update((v, through) for v in eqn.outvars)
         if prim is compiler_begin_p:
             c = eqn.params["compiler"]
             x = eqn.invars[0]
@@ -159,16 +179,21 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
             rs: list[int] = []
             outside = None
             consts: list[Any] = []
-            for a in eqn.invars:
+            seen = {an.find(r) for r in after(eqn.invars)} if cut else set()
+            for j, a in enumerate(eqn.invars):
                 if C.is_literal(a):
                     continue
                 got = interior.get(a)
-                if got is not None:
+                if got is not None and an.find(got) in seen:  # (it would close a cycle)
+                    an.crossings.setdefault(i, {})[j] = an.compiler[an.find(got)]
+                elif got is not None:
                     rs.append(an.find(got))
                 elif a in const_out:
                     consts.append(a)
                 elif a not in constvars and outside is None:
                     outside = a
+            if not rs and i in an.crossings:  # (as the region its new begins will make)
+                rs.append(an.new_region(next(iter(an.crossings[i].values()))))
             if rs:
                 comps = {an.compiler[r] for r in rs}
                 if len(comps) > 1:
@@ -190,6 +215,8 @@ def analyze(jaxpr: C.Jaxpr) -> Analysis:
                 const_eqns.append(i)
                 for v in eqn.outvars:
                     const_out[v] = i
+    if an.crossings:
+        return an
     if const_eqns:
         _settle_constants(an, const_eqns, interior)
     for i in pending_ends:
