@@ -118,7 +118,8 @@ def analyze(jaxpr: C.Jaxpr, *, cut: bool = False) -> Analysis:
     region's results (through its compiler_end) does not join that region, which would make a
     cycle, and the operand is recorded in ``crossings``: the backward pass of an annotated
     function reads the forward region's residuals this way (JAX makes them without an end). The
-    analysis is then only good for finding crossings (:func:`cut_crossings` writes them).
+    analysis is then only good for finding crossings (``acyclic`` in _partition_graph.py writes
+    them into the program).
     """
     an = Analysis(jaxpr)
     eqns = jaxpr.eqns
