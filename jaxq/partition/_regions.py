@@ -139,12 +139,12 @@ def analyze(jaxpr: C.Jaxpr, *, cut: bool = False) -> Analysis:
         for v in eqn.outvars:
             an.producer[v] = i
         prim = eqn.primitive
-        if cut:
-            through = after(eqn.invars)
-            if prim is compiler_end_p and eqn.invars[0] in interior:
-                through |= {an.find(interior[eqn.invars[0]])}
-            if through:
-                exited.update((v, through) for v in eqn.outvars)
+        reads = after(eqn.invars) if cut else none  # (the exits this equation's operands passed)
+        through = reads
+        if cut and prim is compiler_end_p and eqn.invars[0] in interior:
+            through = reads | {an.find(interior[eqn.invars[0]])}
+        if through:
+            exited.update((v, through) for v in eqn.outvars)
         if prim is compiler_begin_p:
             c = eqn.params["compiler"]
             x = eqn.invars[0]
@@ -180,7 +180,7 @@ def analyze(jaxpr: C.Jaxpr, *, cut: bool = False) -> Analysis:
             rs: list[int] = []
             outside = None
             consts: list[Any] = []
-            seen = {an.find(r) for r in after(eqn.invars)} if cut else set()
+            seen = {an.find(r) for r in reads}
             for j, a in enumerate(eqn.invars):
                 if C.is_literal(a):
                     continue
