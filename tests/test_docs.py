@@ -31,6 +31,7 @@ import pytest
 
 import jaxq
 from jaxq import partition as P
+from jaxq.transform import _pass
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -148,6 +149,7 @@ def clean_registries(tmp_path, monkeypatch):
     """Examples register compilers and backends and write files: undo both afterwards."""
     monkeypatch.chdir(tmp_path)
     compilers, backends = set(P.registered_compilers()), set(P.registered_backends())
+    monkeypatch.setattr(_pass, "_CONFIGS", dict(_pass._CONFIGS))  # (options they declare)
     yield
     for c in set(P.registered_compilers()) - compilers:
         P.unregister_compiler(c)

@@ -13,6 +13,7 @@ from strategies import examples
 
 import jaxq
 from jaxq import transform as T
+from jaxq.transform import _pass as pass_module
 
 X = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
 PROG = jaxq.trace(lambda x: jnp.sin(x) * 2 + 1, X)
@@ -86,17 +87,55 @@ def test_disabling_a_required_pass_is_an_error():
         assert req(PROG) is PROG
 
 
-def test_config_is_visible_to_passes():
+@pytest.fixture
+def own_configs(monkeypatch):
+    """Options a test declares are gone afterwards."""
+    monkeypatch.setattr(pass_module, "_CONFIGS", dict(pass_module._CONFIGS))
+
+
+def test_config_is_visible_to_passes(own_configs):
     seen = {}
+    T.register_config("tests.k", int, "a test's option")
 
     @T.program_pass
     def reads_config(program):
         seen.update(T.PassContext.current().config)
         return program
 
-    with T.PassContext(config={"k": 1}):
+    with T.PassContext(config={"tests.k": 1}):
         reads_config(PROG)
-    assert seen == {"k": 1}
+    assert seen == {"tests.k": 1}
+    assert T.PassContext.list_configs()["tests.k"] == "int: a test's option"
+
+
+def test_config_options_are_declared_and_typed(own_configs):
+    """A misspelled option was ignored in silence: the pass read its default. Now the context
+    refuses it, naming the nearest declared one, and refuses values of the wrong type."""
+    with pytest.raises(
+        ValueError,
+        match=r"unknown config option 'quantize\.tunning'; did you "
+        r"mean 'quantize\.tuning'\?.*register_config",
+    ):
+        T.PassContext(config={"quantize.tunning": None})
+    with pytest.raises(ValueError, match="unknown config option 'k'; the options are "):
+        T.PassContext(config={"k": 1})
+    with pytest.raises(
+        TypeError,
+        match=r"'quantize\.calibrate\.percentile' takes a value of "
+        r"type int or float; got bool True",
+    ):
+        T.PassContext(config={"quantize.calibrate.percentile": True})
+    with pytest.raises(TypeError, match="'quantize.tuning' takes a value of type Tuning; got str"):
+        T.PassContext(config={"quantize.tuning": "gpu"})
+    assert {"quantize.tuning", "quantize.calibrate.method", "quantize.calibrate.percentile"} <= set(
+        T.PassContext.list_configs()
+    )
+    T.register_config("tests.flag", bool, "a flag")
+    assert T.PassContext(config={"tests.flag": True}).config == {"tests.flag": True}
+    with pytest.raises(TypeError, match="takes a value of type bool; got int 1"):
+        T.PassContext(config={"tests.flag": 1})
+    with pytest.raises(TypeError, match="type_ must be a type"):
+        T.register_config("tests.bad", "int", "not a type")
 
 
 def test_pass_timing_and_print_ir():

@@ -45,7 +45,7 @@ from jaxq.quantize._state import (
     get_state,
     with_state,
 )
-from jaxq.transform import Pass, PassContext, program_pass
+from jaxq.transform import Pass, PassContext, program_pass, register_config
 
 
 def progress_bar(it: Iterable[Any], enabled: bool, desc: str, unit: str = "batch") -> Iterator[Any]:
@@ -580,6 +580,18 @@ def calibrate_program(
     return with_state(out, state)
 
 
+register_config(
+    "quantize.calibrate.method",
+    str,
+    f"the calibration method of every calibrate pass given none, one of {CALIBRATIONS}",
+)
+register_config(
+    "quantize.calibrate.percentile",
+    (int, float),
+    "the share of values kept by percentile calibration, in (0, 100]",
+)
+
+
 def calibrate(
     data: Iterable[Any],
     method: str | None = None,
@@ -594,8 +606,8 @@ def calibrate(
 
     ``method`` (default: the annotated QConfig's): ``"minmax"``, ``"percentile"``, ``"entropy"``
     (KL divergence, TensorRT style) or ``"mse"``; ``PassContext(config={"quantize.calibrate.method":
-    ..., "quantize.calibrate.percentile": ...})`` sets them for a whole pipeline. Memory is bounded: running min/max and a
-    fixed-size histogram per activation, never the activations themselves. ``max_batches`` stops
+    ..., "quantize.calibrate.percentile": ...})`` sets them for a whole pipeline. Memory is
+    bounded: running min/max and a fixed-size histogram per activation, never the activations themselves. ``max_batches`` stops
     after that many batches (an endless iterator is fine). ``retrace(*args)`` gives the float
     program for a batch of other shapes (``jaxq.quantize`` passes one; without it every batch
     must match the program's shapes). A program traced with params (``annotate(...,

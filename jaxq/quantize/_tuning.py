@@ -16,7 +16,7 @@ import dataclasses
 import jax
 
 from jaxq import _compat as C
-from jaxq.transform import PassContext
+from jaxq.transform import PassContext, register_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,18 +89,19 @@ an H200 with jax 0.11.2); the rest is not measured (the one-row routes above wor
 kernels)."""
 
 
+register_config(
+    "quantize.tuning",
+    Tuning,
+    "realize's lowering choices (an entry measured on another machine; default: the table's "
+    "entry for the running jax)",
+)
+
+
 def current_tuning() -> Tuning:
     """What realize uses: ``PassContext(config={"quantize.tuning": Tuning(...)})`` where given
     (an entry measured on another machine), else the table's entry for the running jax."""
     given = PassContext.current().config.get("quantize.tuning")
-    if given is None:
-        return tuning()
-    if not isinstance(given, Tuning):
-        raise TypeError(
-            'PassContext config "quantize.tuning" must be a jaxq.quantize.Tuning; got '
-            f"{type(given).__name__}"
-        )
-    return given
+    return tuning() if given is None else given
 
 
 def tuning(version: tuple[int, ...] | None = None, platform: str | None = None) -> Tuning:

@@ -21,3 +21,4 @@ from jaxq.transform._pass import Pass as Pass
 from jaxq.transform._pass import PassContext as PassContext
 from jaxq.transform._pass import Sequential as Sequential
 from jaxq.transform._pass import program_pass as program_pass
+from jaxq.transform._pass import register_config as register_config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import gc
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -155,6 +156,43 @@ class Sequential(Pass):
         return f"Sequential({self.name!r}, [{inner}])"
 
 
+_CONFIGS: dict[str, tuple[type | tuple[type, ...], str]] = {}
+
+
+def register_config(name: str, type_: type | tuple[type, ...], doc: str) -> None:
+    """Declare a ``PassContext(config=...)`` option that a pass reads: its name, the type its
+    values must have, and one line on what it does. ``PassContext`` refuses names nobody
+    declared (a misspelled option would otherwise be ignored in silence) and values of another
+    type, when the context is made rather than when a pass reads them. Declare a pass's options
+    where the pass is defined (module import time); declaring a name again replaces it."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_config: name must be a non-empty str; got {name!r}")
+    types = type_ if isinstance(type_, tuple) else (type_,)
+    if not types or not all(isinstance(t, type) for t in types):
+        raise TypeError(f"register_config: type_ must be a type or a tuple of types; got {type_!r}")
+    _CONFIGS[name] = (type_, doc)
+
+
+def _check_config(config: Mapping[str, Any]) -> None:
+    for key, value in config.items():
+        if key not in _CONFIGS:
+            near = difflib.get_close_matches(str(key), list(_CONFIGS), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(
+                f"PassContext: unknown config option {key!r}; {hint}the options are "
+                f"{', '.join(sorted(_CONFIGS))} (PassContext.list_configs() says what each does; "
+                "a pass of your own declares its options with jaxq.transform.register_config)"
+            )
+        type_, _ = _CONFIGS[key]
+        types = type_ if isinstance(type_, tuple) else (type_,)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = " or ".join(t.__name__ for t in types)
+            raise TypeError(
+                f"PassContext: config option {key!r} takes a value of type {want}; got "
+                f"{type(value).__name__} {value!r}"
+            )
+
+
 _CURRENT: contextvars.ContextVar[PassContext | None] = contextvars.ContextVar(
     "jaxq_pass_context", default=None
 )
@@ -167,7 +205,9 @@ class PassContext:
     Args:
       opt_level: passes with a higher ``opt_level`` are skipped.
       disabled: names of passes to skip.
-      config: pass options, e.g. ``{"quantize.calibrate.method": "percentile"}``.
+      config: pass options, e.g. ``{"quantize.calibrate.method": "percentile"}``: names
+        declared with :func:`register_config` (:meth:`list_configs` lists them), each value of
+        its declared type.
       instruments: objects with any of the hooks ``enter_pass_ctx()``, ``exit_pass_ctx()``,
         ``run_before_pass(pass_, program)``, ``run_after_pass(pass_, before, after)``.
     """
@@ -201,6 +241,7 @@ class PassContext:
         self.opt_level = opt_level
         self.disabled = frozenset(names)
         self.config: Mapping[str, Any] = dict(config or {})
+        _check_config(self.config)
         self.instruments = tuple(instruments)
         for inst in self.instruments:
             if isinstance(inst, type):
@@ -214,6 +255,15 @@ class PassContext:
                 )
         self._tokens: list[contextvars.Token[PassContext | None]] = []
         self._seen: set[str] = set()  # the passes considered inside, to find misspelled names
+
+    @staticmethod
+    def list_configs() -> dict[str, str]:
+        """The declared config options: name -> ``"<type>: <what it does>"``."""
+        out = {}
+        for name, (type_, doc) in sorted(_CONFIGS.items()):
+            types = type_ if isinstance(type_, tuple) else (type_,)
+            out[name] = f"{' | '.join(t.__name__ for t in types)}: {doc}"
+        return out
 
     @staticmethod
     def current() -> PassContext:
