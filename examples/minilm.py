@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             config=jaxq.QConfig(smoothing=alpha),
             metric=val_cosine,
             target=0.9992,  # a margin over the 0.999 goal: the held-out sentences are new
-            max_float=12,
+            max_kept=12,
         )
         print(found)
         cos = _cosine(np.asarray(jax.jit(found.function)(ids, mask)), ref)

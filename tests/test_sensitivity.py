@@ -1,5 +1,6 @@
 """Per-layer SQNR and the sensitivity search that keeps the most harmful layers in float."""
 
+import dataclasses
 import math
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxq.quantize import QConfig, Scheme, quantize
+from jaxq.quantize import QConfig, Rule, Scheme, quantize
 from jaxq.quantize._sensitivity import layer_sqnr, sensitivity, sqnr_db
 
 rng = np.random.default_rng(0)
@@ -101,8 +102,43 @@ def test_sensitivity_with_params_as_an_argument():
 
 def test_sensitivity_reports_an_unreachable_target():
     result = sensitivity(
-        f, calibration=[(x,) for x in X], config=CFG, metric=lambda qf: 0.0, target=1.0, max_float=1
+        f, calibration=[(x,) for x in X], config=CFG, metric=lambda qf: 0.0, target=1.0, max_kept=1
     )
     assert not result.met and len(result.history) == 2 and len(result.kept_float) == 1
     with pytest.raises(ValueError, match="calibration is empty"):
         sensitivity(f, calibration=[], config=CFG, metric=lambda qf: 0.0, target=1.0)
+
+
+def test_sensitivity_with_a_fallback_keeps_the_worst_layer_at_more_bits():
+    """Mixed precision: the harmful layer gets 8-bit weights instead of float (ONNX Runtime runs
+    7-bit weights fastest without VNNI; a 4-bit model keeps its worst layers at 8)."""
+    ref = jax.jit(f)(X[0])
+    metric = lambda qf: -float(jnp.max(jnp.abs(jax.jit(qf)(X[0]) - ref)))
+    calib = [(x,) for x in X]
+    w8 = Rule(weights=Scheme(bits=8, granularity="channel"))
+    full = -metric(quantize(f, calibration=calib, config=CFG, progress=False))
+    result = sensitivity(
+        f, calibration=calib, config=CFG, metric=metric, target=-full / 4, fallback=w8
+    )
+    assert result.met and result.kept[0] == "Dense_1/dot_general" and result.kept_float == ()
+    for r in result.function.report().layers:  # the kept at 8 bits, the rest at 3
+        assert r.status == "quantized"
+        assert r.weights.startswith("int8 " if r.name in result.kept else "int3 ")
+    assert "kept at weights=Scheme(bits=8" in str(result)
+    # the same layers at 8 bits by hand: the same numbers
+    rules = tuple(Rule(pattern=f"^{n}$", weights=w8.weights) for n in result.kept)
+    want = quantize(
+        f, calibration=calib, config=dataclasses.replace(CFG, rules=rules), progress=False
+    )
+    np.testing.assert_array_equal(jax.jit(result.function)(X[1]), jax.jit(want)(X[1]))
+    with pytest.raises(ValueError, match="without pattern or primitives"):
+        sensitivity(
+            f,
+            calibration=calib,
+            config=CFG,
+            metric=metric,
+            target=0.0,
+            fallback=Rule(pattern="Dense", skip=True),
+        )
+    with pytest.raises(ValueError, match="changes nothing"):
+        sensitivity(f, calibration=calib, config=CFG, metric=metric, target=0.0, fallback=Rule())
