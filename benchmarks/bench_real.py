@@ -14,6 +14,9 @@ Variants, all timed round by round on the same inputs (paired speed-ups over flo
 * jaxq W7A8+SQ finite: 7-bit weights (ONNX Runtime's ``reduce_range``), whose codes ONNX
   Runtime's uint8 x int8 kernels sum exactly also on x86 without VNNI (8-bit weights are shifted
   into uint8 there, a slower kernel);
+* jaxq W7A8+SQ gptq, out W8 finite: the same with GPTQ weight codes, and the layers
+  ``jaxq.quantize.sensitivity`` ranks most harmful (each MLP's output layer, whose input is the
+  GELU) at 8 bits (``Rule(pattern="mlp/output", weights=...)``): mean cosine above 0.997;
 * ORT quantize_dynamic: ONNX Runtime's own int8 tool (``quantize_dynamic(per_channel=True)``,
   dynamic per-row activations) applied to jaxq's float export, built as a custom codegen of
   ``jaxq.build``: the BYOC path with someone else's quantizer.
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     qmf = jaxq.quantize(f, calibration=calib, config=mse, progress=False)
     w7 = dataclasses.replace(fin, weights=Scheme(bits=7, granularity="channel"))
     q7 = jaxq.quantize(f, calibration=calib, config=w7, progress=False)
+    w8_out = Rule(pattern="mlp/output", weights=Scheme(bits=8, granularity="channel"))
+    mixed = dataclasses.replace(w7, weight_calibration="gptq", rules=(w8_out,))
+    q7m = jaxq.quantize(f, calibration=calib, config=mixed, progress=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxq.OffloadWarning)  # (the gather stays with XLA)
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "jaxq W8A8+SQ mlp finite -> ORT": jax.jit(jaxq.offload(qmlp, "onnxruntime")),
                 "jaxq W8A8 mse finite -> ORT": jax.jit(jaxq.offload(qmf, "onnxruntime")),
                 "jaxq W7A8+SQ finite -> ORT": jax.jit(jaxq.offload(q7, "onnxruntime")),
+                "jaxq W7A8+SQ gptq, out W8 -> ORT": jax.jit(jaxq.offload(q7m, "onnxruntime")),
                 "ORT quantize_dynamic": jax.jit(
                     jaxq.build(parts, backends={"ort_float": ort_dynamic_codegen(Path(tmp))})
                 ),
