@@ -74,6 +74,9 @@ def annotate_program(
     params = None if params_argnum is None else param_spec(source, params_argnum)
     state = QState(config=config, source=source, sites={}, skipped={}, weights={}, params=params)
     out, engine = lower(state, simulate_handler(state))
+    if engine.early_float & engine.leaves.keys():  # (a tied weight read before its layer)
+        known = state.replace(sites=engine.sites, leaves=engine.leaves)
+        out, engine = lower(known, simulate_handler(known))
     state = state.replace(
         sites=engine.sites,
         skipped=engine.skipped,

@@ -176,6 +176,9 @@ class Engine:
         self.act_inputs: dict[str, tuple[Any, Any]] = {}  # site -> a QArray's (scale, zp)
         self.smooth_inputs: dict[str, Any] = {}  # site -> the iteration's smoothing factors
         self.float_leaves: set[int] = set()  # param leaves some equation reads as floats
+        # ... before the layer that quantizes them planned them (a tied embedding's lookup):
+        # simulate gave those readers floats, so the program is lowered again (see annotate)
+        self.early_float: set[int] = set()
         self.float_reads: dict[str, list[int]] = {}  # a layer left float -> the leaves it reads
         # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
         # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
@@ -273,8 +276,10 @@ class Engine:
         if isinstance(v, WeightRef):
             self.float_leaves.add(v.leaf)
             plan = self.leaves.get(v.leaf) or self.state.leaves.get(v.leaf)
-            if self.mode == "simulate" and plan is not None and not isinstance(v.value, QView):
-                return self._as_deployed(v, plan)
+            if self.mode == "simulate" and not isinstance(v.value, QView):
+                if plan is not None:
+                    return self._as_deployed(v, plan)
+                self.early_float.add(v.leaf)
         return v.dequantize() if isinstance(v, KVCache) else to_float(v)
 
     def _as_deployed(self, ref: WeightRef, plan: Any) -> Any:
