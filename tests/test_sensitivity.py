@@ -142,3 +142,25 @@ def test_sensitivity_with_a_fallback_keeps_the_worst_layer_at_more_bits():
         )
     with pytest.raises(ValueError, match="changes nothing"):
         sensitivity(f, calibration=calib, config=CFG, metric=metric, target=0.0, fallback=Rule())
+
+
+def test_sensitivity_checks_its_arguments_as_quantize_does():
+    """One array as calibration was taken row by row as 16 batches (quantize refuses it); a
+    negative max_kept failed a bare assert; a bare array as sample was unpacked row by row."""
+    x = np.concatenate(X)
+    metric = lambda qf: 0.0
+    with pytest.raises(
+        TypeError,
+        match=r"calibration must be an iterable of argument tuples.*"
+        r"one array: wrap each batch in a tuple",
+    ):
+        sensitivity(f, calibration=x, config=CFG, metric=metric, target=1.0)
+    with pytest.raises(ValueError, match="max_kept must be an int >= 0 or None; got -1"):
+        sensitivity(f, calibration=[(X[0],)], config=CFG, metric=metric, target=1.0, max_kept=-1)
+    one = sensitivity(
+        f, calibration=[(X[0],)], config=CFG, metric=metric, target=1.0, max_kept=0, sample=X[1]
+    )
+    tup = sensitivity(
+        f, calibration=[(X[0],)], config=CFG, metric=metric, target=1.0, max_kept=0, sample=(X[1],)
+    )
+    assert one.sqnr_db == tup.sqnr_db and one.isolated_sqnr_db == tup.isolated_sqnr_db

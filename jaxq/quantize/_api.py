@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from jaxq._taps import intermediates
 from jaxq._walk import RewriteError, interpret, rewrite
 from jaxq.quantize._annotate import annotate, prepare, with_params
 from jaxq.quantize._arith import quantize_weight
-from jaxq.quantize._calibrate import calibrate, calibrate_program, progress_bar
+from jaxq.quantize._calibrate import calibrate, calibrate_program, check_batches, progress_bar
 from jaxq.quantize._config import QConfig, Scheme
 from jaxq.quantize._lower import (
     LOOP_REASON,
@@ -820,22 +820,7 @@ def quantize(
     batches: Iterable[Any] | None = None
     first = None
     if calibration is not None:
-        if (
-            isinstance(calibration, (str, bytes, Mapping))
-            or not isinstance(calibration, Iterable)
-            or hasattr(calibration, "shape")
-        ):
-            raise TypeError(
-                "quantize: calibration must be an iterable of argument tuples, e.g. "
-                f"[(x1,), (x2,)]; got {type(calibration).__name__}"
-                + (
-                    " (one array: wrap each batch in a tuple)"
-                    if hasattr(calibration, "shape")
-                    else " (one batch of keyword arguments: not supported, pass them by position)"
-                    if isinstance(calibration, Mapping)
-                    else ""
-                )
-            )
+        check_batches(calibration, "quantize: calibration")
         it = iter(calibration)
         if max_batches is not None:
             if not isinstance(max_batches, int) or max_batches < 1:

@@ -9,7 +9,7 @@ import itertools
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -458,6 +458,27 @@ def _awq_of(state: QState, key: str, w: np.ndarray, gram: np.ndarray) -> np.ndar
     return awq_factors(w.astype(np.float32), k_axis, gram, fake)
 
 
+def check_batches(data: Any, who: str) -> None:
+    """Calibration data must be an iterable of argument tuples: say so, naming the likely slip
+    (one array, whose rows would each be taken for a batch; a dict of keyword arguments)."""
+    if (
+        isinstance(data, (str, bytes, Mapping))
+        or not isinstance(data, Iterable)
+        or hasattr(data, "shape")
+    ):
+        hint = (
+            " (one array: wrap each batch in a tuple)"
+            if hasattr(data, "shape")
+            else " (one batch of keyword arguments: not supported, pass them by position)"
+            if isinstance(data, Mapping)
+            else ""
+        )
+        raise TypeError(
+            f"{who} must be an iterable of argument tuples, e.g. [(x1,), (x2,)]; got "
+            f"{type(data).__name__}{hint}"
+        )
+
+
 def calibrate_program(
     program: Program,
     data: Iterable[Any],
@@ -479,11 +500,7 @@ def calibrate_program(
     pct = config.percentile if percentile is None else percentile
     if not 0 < pct <= 100:
         raise ValueError(f"calibrate: percentile must be in (0, 100]; got {pct}")
-    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable) or hasattr(data, "shape"):
-        raise TypeError(
-            f"calibrate: data must be an iterable of argument tuples, e.g. [(x1,), (x2,)]; got "
-            f"{type(data).__name__}{' (one array: wrap each batch in a tuple)' if hasattr(data, 'shape') else ''}"
-        )
+    check_batches(data, "calibrate: data")
     if max_batches is not None:
         if not isinstance(max_batches, int) or max_batches < 1:
             raise ValueError(f"calibrate: max_batches must be a positive int; got {max_batches!r}")

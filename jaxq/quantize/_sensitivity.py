@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxq.quantize._api import QuantizedFunction, quantize, sqnr_db
+from jaxq.quantize._calibrate import check_batches
 from jaxq.quantize._config import INHERIT, QConfig, Rule
 
 
@@ -116,7 +117,8 @@ def sensitivity(
         model, or 8 bits where ONNX Runtime runs 7-bit weights fastest. Default: float
         (``Rule(skip=True)``).
       max_kept: at most this many layers are kept (default: all of them, if needed).
-      sample: arguments for measuring per-layer SQNR (default: the first calibration tuple).
+      sample: arguments for measuring per-layer SQNR, a tuple (or one array: the only
+        argument; default: the first calibration tuple).
     """
     config = QConfig() if config is None else config
     fallback = Rule(skip=True) if fallback is None else fallback
@@ -131,10 +133,13 @@ def sensitivity(
             "sensitivity: the fallback rule changes nothing; give it weights, activations or "
             "smoothing (or skip=True: float)"
         )
+    check_batches(calibration, "sensitivity: calibration")
     batches = [b if isinstance(b, tuple) else (b,) for b in calibration]
     if not batches:
         raise ValueError("sensitivity: calibration is empty; pass at least one argument tuple")
-    sample = batches[0] if sample is None else sample
+    if max_kept is not None and (not isinstance(max_kept, int) or max_kept < 0):
+        raise ValueError(f"sensitivity: max_kept must be an int >= 0 or None; got {max_kept!r}")
+    sample = batches[0] if sample is None else sample if isinstance(sample, tuple) else (sample,)
     simulated = quantize(
         f, params, calibration=batches, config=config, mode="simulate", progress=False
     )
