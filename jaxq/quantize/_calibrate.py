@@ -604,7 +604,7 @@ register_config(
 )
 register_config(
     "quantize.calibrate.percentile",
-    (int, float),
+    float,
     "the share of values kept by percentile calibration, in (0, 100]",
 )
 

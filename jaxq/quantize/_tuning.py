@@ -91,7 +91,7 @@ kernels)."""
 
 register_config(
     "quantize.tuning",
-    Tuning,
+    Tuning | None,
     "realize's lowering choices (an entry measured on another machine; default: the table's "
     "entry for the running jax)",
 )

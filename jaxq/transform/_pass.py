@@ -6,6 +6,8 @@ import contextlib
 import contextvars
 import difflib
 import gc
+import types
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
@@ -156,21 +158,43 @@ class Sequential(Pass):
         return f"Sequential({self.name!r}, [{inner}])"
 
 
-_CONFIGS: dict[str, tuple[type | tuple[type, ...], str]] = {}
+_CONFIGS: dict[str, tuple[tuple[type, ...], str]] = {}
 
 
-def register_config(name: str, type_: type | tuple[type, ...], doc: str) -> None:
+def register_config(name: str, type_: Any, doc: str) -> None:
     """Declare a ``PassContext(config=...)`` option that a pass reads: its name, the type its
-    values must have, and one line on what it does. ``PassContext`` refuses names nobody
-    declared (a misspelled option would otherwise be ignored in silence) and values of another
-    type, when the context is made rather than when a pass reads them. Declare a pass's options
-    where the pass is defined (module import time); declaring a name again replaces it."""
+    values must have (a type, a union such as ``int | None``, or a tuple of types; an int is
+    taken where a float is asked), and one line on what it does. ``PassContext`` refuses names
+    nobody declared (a misspelled option would otherwise be ignored in silence) and values of
+    another type, when the context is made rather than when a pass reads them. Declare a
+    pass's options where the pass is defined (module import time); declaring a name again with
+    the same type replaces its line, with another type is an error (two passes would read one
+    option differently)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"register_config: name must be a non-empty str; got {name!r}")
-    types = type_ if isinstance(type_, tuple) else (type_,)
-    if not types or not all(isinstance(t, type) for t in types):
-        raise TypeError(f"register_config: type_ must be a type or a tuple of types; got {type_!r}")
-    _CONFIGS[name] = (type_, doc)
+    kinds = _types(type_)
+    if not kinds or not all(isinstance(t, type) for t in kinds):
+        raise TypeError(
+            f"register_config: type_ must be a type, a union of types or a tuple of types; "
+            f"got {type_!r}"
+        )
+    if name in _CONFIGS and _CONFIGS[name][0] != kinds:
+        raise ValueError(
+            f"register_config: {name!r} is declared already, taking {_type_names(_CONFIGS[name][0])}"
+            f" ({_CONFIGS[name][1]}); give your option a name of its own"
+        )
+    _CONFIGS[name] = (kinds, doc)
+
+
+def _types(type_: Any) -> tuple[Any, ...]:
+    if isinstance(type_, types.UnionType):
+        return typing.get_args(type_)
+    parts = type_ if isinstance(type_, tuple) else (type_,)
+    return tuple(type(None) if t is None else t for t in parts)
+
+
+def _type_names(kinds: tuple[type, ...]) -> str:
+    return " | ".join("None" if t is type(None) else t.__name__ for t in kinds)
 
 
 def _check_config(config: Mapping[str, Any]) -> None:
@@ -183,13 +207,12 @@ def _check_config(config: Mapping[str, Any]) -> None:
                 f"{', '.join(sorted(_CONFIGS))} (PassContext.list_configs() says what each does; "
                 "a pass of your own declares its options with jaxq.transform.register_config)"
             )
-        type_, _ = _CONFIGS[key]
-        types = type_ if isinstance(type_, tuple) else (type_,)
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            want = " or ".join(t.__name__ for t in types)
+        kinds, _ = _CONFIGS[key]
+        taken = (*kinds, int) if float in kinds else kinds  # (an int where a float is asked)
+        if not isinstance(value, taken) or (isinstance(value, bool) and bool not in kinds):
             raise TypeError(
-                f"PassContext: config option {key!r} takes a value of type {want}; got "
-                f"{type(value).__name__} {value!r}"
+                f"PassContext: config option {key!r} takes a value of type "
+                f"{_type_names(kinds)}; got {type(value).__name__} {value!r}"
             )
 
 
@@ -259,11 +282,7 @@ class PassContext:
     @staticmethod
     def list_configs() -> dict[str, str]:
         """The declared config options: name -> ``"<type>: <what it does>"``."""
-        out = {}
-        for name, (type_, doc) in sorted(_CONFIGS.items()):
-            types = type_ if isinstance(type_, tuple) else (type_,)
-            out[name] = f"{' | '.join(t.__name__ for t in types)}: {doc}"
-        return out
+        return {name: f"{_type_names(t)}: {doc}" for name, (t, doc) in sorted(_CONFIGS.items())}
 
     @staticmethod
     def current() -> PassContext:
