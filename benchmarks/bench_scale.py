@@ -4,8 +4,9 @@ Each model is a stack of transformer MLP blocks (``x + W2 gelu(W1 x)``) with ran
 written as ``f(params, x)`` over a params dict, as JAX users keep them. Every model runs in a fresh
 subprocess, so the peak RSS (``resource.getrusage``) is that model's alone. Compile times are of
 ``jax.jit(f).lower(params, x).compile()`` (float) and ``jax.jit(qf.apply).lower(qf.params, x)
-.compile()`` (int8), both with the weights as arguments; run times are medians of calls timed
-round by round (float, int8, float, int8, ...) on the same input.
+.compile()`` (int8), both with the weights as arguments, medians of three batch sizes compiled in
+turn; run times are medians of calls timed round by round (float, int8, float, int8, ...) on the
+same input.
 
 Models: ``small`` (512 MiB f32), ``large`` (1.21 B params, bf16), each as a Python loop of
 blocks and, with ``_scan``, as one ``lax.scan`` over stacked params (``small_scan``,
@@ -14,7 +15,9 @@ blocks and, with ``_scan``, as one ``lax.scan`` over stacked params (``small_sca
 Configs (``--config``, several comma-separated): ``w8a8`` the default ``QConfig()``;
 ``w8a8-finite`` without the NaN-row checks (``nan_rows=False``); ``w8a8-sym-finite`` also with
 symmetric activations (no zero-point terms); ``w8`` weight-only. Compile time follows the number
-of operations XLA sees per layer, which is what these remove.
+of operations XLA sees per layer, which is what these remove, and XLA:CPU's int8 dot itself: the
+last line measures 16 chained dots in float32 and in int8 (XLA compiles each int8 x int8 -> int32
+dot several times slower than a float32 one, whatever surrounds it).
 
 Run: python benchmarks/bench_scale.py [--models small,large,small_scan,large_scan]
 [--config w8a8,w8a8-finite,w8a8-sym-finite,w8] [--json PATH]
@@ -103,12 +106,21 @@ def child(name: str, config: str, reps: int) -> dict[str, Any]:
     peak_quantize = rss_mb()
     q_bytes = qf.report().param_bytes
 
-    t0 = time.perf_counter()
-    float_fn = jax.jit(f).lower(params, x).compile()
-    float_compile = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    int8_fn = jax.jit(qf.apply).lower(qf.params, x).compile()
-    int8_compile = time.perf_counter() - t0
+    # compile times: the median of 3 compiles each, interleaved, of programs for 3 batch sizes
+    # (no compile cache hit; one compile alone varied by 30% here)
+    compiles: dict[str, list[float]] = {"float": [], "int8": []}
+    for rows in (9, 10, 8):
+        xs = jnp.zeros((rows, d), dtype)
+        for key, fn, p in (("float", f, params), ("int8", qf.apply, qf.params)):
+            t0 = time.perf_counter()
+            compiled = jax.jit(fn).lower(p, xs).compile()
+            compiles[key].append(time.perf_counter() - t0)
+            if key == "float":
+                float_fn = compiled
+            else:
+                int8_fn = compiled
+    float_compile = statistics.median(compiles["float"])
+    int8_compile = statistics.median(compiles["int8"])
 
     y_f = np.asarray(float_fn(params, x), np.float32)
     y_q = np.asarray(int8_fn(qf.params, x), np.float32)
@@ -138,6 +150,39 @@ def child(name: str, config: str, reps: int) -> dict[str, Any]:
         "speedup": statistics.median(ratios),
         "rel_error": float(np.abs(y_q - y_f).max() / np.abs(y_f).max()),
     }
+
+
+def dot_compiles(n: int = 16, d: int = 256) -> dict[str, float]:
+    """Seconds XLA takes to compile ``n`` chained ``[8, d] x [d, d]`` dots with a tanh between
+    (medians of 3): float32, and int8 x int8 -> int32 with the quantize and rescale around each.
+    The int8 program's floor: no lowering of its other operations compiles it faster than this."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def chain(int8: bool) -> Any:
+        def f(ws: list[jax.Array], x: jax.Array) -> jax.Array:
+            for w in ws:
+                if int8:
+                    q = jnp.clip(jnp.round(x * 10), -127, 127).astype(jnp.int8)
+                    dn = (((1,), (0,)), ((), ()))
+                    acc = lax.dot_general(q, w, dn, preferred_element_type=jnp.int32)
+                    x = jnp.tanh(acc.astype(jnp.float32) * 0.01)
+                else:
+                    x = jnp.tanh(x @ w)
+            return x
+
+        return f
+
+    out: dict[str, list[float]] = {"float": [], "int8": []}
+    jax.jit(lambda a: a + 1).lower(jnp.zeros(3)).compile()  # (XLA's one-time start-up)
+    for rows in (8, 9, 10):
+        for key in out:
+            ws = [jnp.zeros((d, d), jnp.int8 if key == "int8" else jnp.float32)] * n
+            t0 = time.perf_counter()
+            jax.jit(chain(key == "int8")).lower(ws, jnp.zeros((rows, d))).compile()
+            out[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def verdicts(row: dict[str, Any]) -> list[str]:
@@ -172,6 +217,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for c in configs:
         if c not in CONFIGS:
             ap.error(f"--config {c!r}: choose from {', '.join(CONFIGS)}")
+    if args.model == "dots":
+        print(json.dumps(dot_compiles()))
+        return []
     if args.model:
         print(json.dumps(child(args.model, args.config, args.reps)))
         return []
@@ -203,6 +251,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "(peak RSS: the process's peak at the end of quantize, params included; run: medians "
         "of interleaved calls, 'speed' the median per-round float/int8 ratio)"
     )
+    done = subprocess.run([sys.executable, __file__, "--model", "dots"], capture_output=True)
+    if done.returncode == 0:
+        dots = json.loads(done.stdout.strip().splitlines()[-1])
+        print(
+            f"XLA's own floor: 16 chained 256 x 256 dots compile in {dots['float']:.2f} s in "
+            f"float32 and {dots['int8']:.2f} s as int8 x int8 -> int32 with their quantize and "
+            f"rescale ({dots['int8'] / dots['float']:.2f}x), about "
+            f"{1e3 * (dots['int8'] - dots['float']) / 16:.0f} ms more per dot"
+        )
+        rows.append({"model": "dots", **dots})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
