@@ -1006,6 +1006,12 @@ def test_calibration_in_the_wrong_form_says_what_a_batch_is():
         Q(model, P, calibration={"x": X}, progress=False)
     with pytest.raises(QuantizeError, match=r"first calibration batch, called as f\(params, \*b"):
         Q(model, P, calibration=[(P, X)], progress=False)  # (the params in the batch too)
+    with pytest.raises(
+        QuantizeError,
+        match=r"(?s)need calibration data.*looks like calibration "
+        r"batches: pass them by name",
+    ):
+        Q(model, BATCHES, progress=False)  # (the batches where the params go)
 
 
 def test_integer_inputs_of_a_mixed_dot_run_in_both_modes():

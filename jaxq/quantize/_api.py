@@ -842,6 +842,13 @@ def quantize(
         for r in config.rules
     )
     needs_data = (static and not config.dynamic) or gptq or smooth
+    slip = (  # (the batches passed by position, where the params go)
+        "\nparams is a list of tuples, which looks like calibration batches: pass them by "
+        "name, jaxq.quantize(f, params, calibration=batches) (or without params, "
+        "jaxq.quantize(f, calibration=batches))."
+        if isinstance(params, list) and params and all(isinstance(b, tuple) for b in params)
+        else ""
+    )
     if batches is None and (gptq or smooth):
         what = (
             f"weight_calibration={config.weight_calibration!r} chooses weight codes"
@@ -849,13 +856,13 @@ def quantize(
             else "smoothing measures"
         )
         raise QuantizeError(
-            f"quantize: {what} from calibration data.\nPass calibration=[(x1,), (x2,), ...]."
+            f"quantize: {what} from calibration data.\nPass calibration=[(x1,), (x2,), ...]." + slip
         )
     if batches is None and needs_data:
         raise QuantizeError(
             "quantize: static activation scales need calibration data.\n"
             "Pass calibration=[(x1,), (x2,), ...], or use QConfig(dynamic=True) (scales at run "
-            "time) or QConfig(activations=None) (weight-only)."
+            "time) or QConfig(activations=None) (weight-only)." + slip
         )
     example = example_args if example_args is not None else first
     if example is None:
