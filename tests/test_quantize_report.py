@@ -71,6 +71,22 @@ def test_the_weight_column_names_how_codes_were_chosen_for_params_too(method):
         assert all("gptq (at realize" in r.weights for r in qs.report().layers)
 
 
+def test_layers_name_their_weights_param_path():
+    """Equinox layers are named ``vmap(eqx.nn.MLP)/eqx.nn.Linear/dot_general_1``, which say
+    little: with params as an argument each row also gives its weight's path, the table a
+    ``param`` column (a closure-style function's report has neither)."""
+    params = {"enc": {"w": W0}, "dec": [W1]}
+    f = lambda p, x: jax.nn.relu(x @ p["enc"]["w"]) @ p["dec"][0]
+    qf = jaxq.quantize(f, params, calibration=[(x,) for x in X], progress=False)
+    assert [r.param for r in qf.report().layers] == ["['enc']['w']", "['dec'][0]"]
+    head = str(qf.report()).splitlines()[1].split()
+    assert head[:3] == ["layer", "param", "primitive"]
+    assert "['dec'][0]" in str(qf.report())
+    closed = jaxq.quantize(lambda x: f(params, x), calibration=[(x,) for x in X], progress=False)
+    assert all(r.param is None for r in closed.report().layers)
+    assert "param" not in str(closed.report()).splitlines()[1].split()
+
+
 def test_report_as_json_and_png(qf, tmp_path):
     rep = qf.report(sample=(X[0],))
     data = json.loads(rep.to_json(tmp_path / "report.json"))

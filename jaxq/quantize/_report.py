@@ -50,6 +50,10 @@ class LayerReport:
         else 0.
       layer_sqnr_db: for such a layer with a sample, the SQNR of each iteration's output (in
         the stacked param's order); ``sqnr_db`` is then the worst of them.
+      param: with params as an argument, the path of the layer's weight in them
+        (``['Dense_0']['kernel']``, Equinox ``.blocks[1].fc2.weight``): what a ``Rule``'s
+        pattern also matches, and a better name than a layer's equation name where the model's
+        names say little (``vmap(eqx.nn.Conv)/conv_general_dilated_3``); else None.
 
     Later columns (e.g. SQNR) go after ``status``.
     """
@@ -68,6 +72,7 @@ class LayerReport:
     in_loop: str | None = None  # "scan" / "while" / "cond": the body the layer sits in
     layers: int = 0  # > 0: a layer of a scanned stack, with that many iterations
     layer_sqnr_db: tuple[float, ...] | None = None  # per iteration, for a layer of a stack
+    param: str | None = None  # the weight's path in the params (params style)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +151,10 @@ class Report:
         return path
 
     def __str__(self) -> str:
+        with_params = any(r.param is not None for r in self.layers)
         head = (
             "layer",
+            *(("param",) if with_params else ()),
             "primitive",
             "weights",
             "activations",
@@ -175,6 +182,7 @@ class Report:
             rows.append(
                 (
                     r.name,
+                    *((r.param or "",) if with_params else ()),
                     r.primitive,
                     r.weights or "float",
                     r.activations or "float",
@@ -321,6 +329,11 @@ def make_report(
         sites.update(state.site_leaves)  # (every site of a shared leaf)
         by_site = {name: leaves[i] for name, i in sites.items() if isinstance(leaves[i], QArray)}
     loops = enclosing_loops(state.source)
+    paths: dict[str, str] = {}
+    if state.params is not None:
+        leaf_of = {plan.site: i for i, plan in state.leaves.items()}
+        leaf_of.update(state.site_leaves)
+        paths = {name: state.params.paths[i] for name, i in leaf_of.items()}
     rows = []
     for e in state.source.equations():
         site = state.sites.get(e.name)
@@ -393,6 +406,7 @@ def make_report(
                 loops.get(e.name),
                 site.layers,
                 per_layer,
+                paths.get(e.name),
             )
         )
     return Report(
