@@ -1012,6 +1012,14 @@ def test_calibration_in_the_wrong_form_says_what_a_batch_is():
         r"batches: pass them by name",
     ):
         Q(model, BATCHES, progress=False)  # (the batches where the params go)
+    two = lambda p, x, m: model(p, x) * m
+    with pytest.raises(
+        QuantizeError,
+        match=r"this batch is a list, which f received as one "
+        r"argument: if f takes several, write each batch as a tuple",
+    ):
+        Q(two, P, calibration=[[X, 1.0]], progress=False)
+    assert Q(two, P, calibration=[(X, 1.0)], progress=False)(X, 1.0).shape  # (as a tuple)
 
 
 def test_integer_inputs_of_a_mixed_dot_run_in_both_modes():

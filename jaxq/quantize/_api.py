@@ -890,9 +890,16 @@ def quantize(
     except Exception as e:
         given = "example_args" if example_args is not None else "the first calibration batch"
         call = "f(params, *batch)" if params is not None else "f(*batch)"
+        held = " after the params" if params is not None else ""
+        as_one = (  # (a list is one argument: only a tuple is unpacked)
+            f"; this batch is a {type(example[0]).__name__}, which f received as one "
+            "argument: if f takes several, write each batch as a tuple, (x, mask)"
+            if len(example) == 1 and isinstance(example[0], (list, dict))
+            else ""
+        )
         raise QuantizeError(
-            f"quantize: could not trace f with {given}, called as {call} (a batch holds the "
-            f"arguments after the params): {type(e).__name__}: {e}"
+            f"quantize: could not trace f with {given}, called as {call} (a batch is a tuple "
+            f"of the arguments{held}{as_one}): {type(e).__name__}: {e}"
         ) from e
     phases = [annotate(config, params_argnum=0 if params is not None else None)]
     if batches is not None and needs_data:
