@@ -1079,6 +1079,18 @@ def test_a_python_flag_that_cannot_be_traced_says_to_bind_it():
         qf(X, train=True)
 
 
+def test_arguments_f_cannot_trace_are_compared_with_the_calibration_ones():
+    """A new shape is traced again through f; where f fails on it, the error names the shapes
+    quantize saw and the ones given (before: only the model's own error)."""
+    qf = Q(model, P, calibration=BATCHES, progress=False)
+    with pytest.raises(
+        jaxq.TraceError,
+        match=r"(?s)dot_general.*f was quantized with arguments float32\[6,12\]; this call "
+        r"gives int32\[6,7\]\. Other shapes are traced again",
+    ):
+        qf.apply(qf.params, np.ones((6, 7), np.int32))
+
+
 def test_a_qarray_whose_scales_were_cast_is_named():
     """A tree.map that casts every float leaf also casts the QArrays' scales: named by path
     (the error said to trace a Program again)."""

@@ -149,12 +149,20 @@ class QuantizedFunction:
                 source = prepare(trace(self._fun, *a, **k))
             except TraceError as e:
                 flags = [x for x in leaves if isinstance(x, (bool, str))]
-                if not flags:
-                    raise
+                if flags:
+                    raise TraceError(
+                        f"{e}\nA quantized function traces every argument, Python values such "
+                        f"as {flags[0]!r} too: bind flags and modes into f before quantizing "
+                        "it, e.g. jaxq.quantize(functools.partial(f, train=False), params, ...)"
+                    ) from e
+                skip = 0 if spec is None else len(spec.avals)
+                short = lambda a: f"{np.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
+                was = [short(a) for a in self._state.source.jaxpr.in_avals[skip:]]
+                now = [short(x) for x in specs]
                 raise TraceError(
-                    f"{e}\nA quantized function traces every argument, Python values such as "
-                    f"{flags[0]!r} too: bind flags and modes into f before quantizing it, e.g. "
-                    "jaxq.quantize(functools.partial(f, train=False), params, ...)"
+                    f"{e}\nf was quantized with arguments {', '.join(was)}; this call gives "
+                    f"{', '.join(now)}. Other shapes are traced again, through f itself, which "
+                    "failed on these: check them against the calibration batches."
                 ) from e
             state = self._state.replace(source=source)
             if spec is not None:
