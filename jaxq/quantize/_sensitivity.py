@@ -101,7 +101,7 @@ def sensitivity(
     fallback: Rule | None = None,
     max_kept: int | None = None,
     mode: str = "realize",
-    sample: tuple[Any, ...] | None = None,
+    sample: Any = None,
 ) -> SensitivityResult:
     """Quantize ``f``, keeping its most harmful layers in float (or giving them ``fallback``) until
     ``metric(qf) >= target``.
