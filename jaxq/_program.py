@@ -142,7 +142,7 @@ class Program:
             elif dtype != aval.dtype and _canonical(dtype) == aval.dtype and shape == aval.shape:
                 x, dtype = jnp.asarray(x, aval.dtype), aval.dtype  # float64 -> float32, as jit
             if shape != aval.shape or dtype != aval.dtype:
-                got = f"{np.dtype(dtype).name}{list(shape)}"
+                got = f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"  # (as JAX writes)
                 bad.append(f"  {path}: expected {aval.str_short()}, got {got}")
             out.append(x)
         if bad:

@@ -193,12 +193,12 @@ class LoadedProgram:
                 f"({want_tree})"
             )
         bad = [
-            f"  {p}: saved for {w.str_short()}, got {jnp.result_type(x).name}{list(np.shape(x))}"
+            f"  {p}: saved for {w.str_short()}, got {jnp.result_type(x).name}{_dims(x)}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if not _fits(tuple(np.shape(x)), tuple(w.shape))
         ]
         wrong = [
-            f"  {p}: saved for {w.str_short()}, got {_dtype_of(x)}{list(np.shape(x))}"
+            f"  {p}: saved for {w.str_short()}, got {_dtype_of(x)}{_dims(x)}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if leaf_dtype(x) != w.dtype
         ]
@@ -209,7 +209,7 @@ class LoadedProgram:
                 + "\nCast them (x.astype(...)), or save the model again for these dtypes."
             )
         empty = [
-            f"  {p}: saved for {w.str_short()}, got {list(np.shape(x))}"
+            f"  {p}: saved for {w.str_short()}, got {_dims(x)}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if not bad
             and any(
@@ -316,3 +316,8 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
             "with this jax."
         ) from e
     return LoadedProgram(exported, consts, manifest)
+
+
+def _dims(x: Any) -> str:
+    """``[7,4]``: a shape as JAX writes it in ``float32[3,4]``."""
+    return f"[{','.join(map(str, np.shape(x)))}]"

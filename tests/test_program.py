@@ -63,7 +63,7 @@ def test_wrong_shapes_and_dtypes_list_expected_and_got():
     with pytest.raises(TypeError) as info:
         prog(PARAMS, np.zeros((5, 3), np.int32))
     msg = str(info.value)
-    assert "args[1]: expected float32[2,3], got int32[5, 3]" in msg
+    assert "args[1]: expected float32[2,3], got int32[5,3]" in msg
     assert "trace it again" in msg
 
 

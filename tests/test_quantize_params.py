@@ -729,7 +729,7 @@ def test_a_model_that_fixes_its_batch_saves_at_its_shapes_and_says_why(tmp_path)
     np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(jax.jit(qf)(X)))
     with pytest.raises(
         TypeError,
-        match=r"symbolic batch(.|\n)*args\[0\]: saved for float32\[6,12\], got float32\[3, 12\]",
+        match=r"symbolic batch(.|\n)*args\[0\]: saved for float32\[6,12\], got float32\[3,12\]",
     ):
         loaded(X[:3])
 

@@ -182,7 +182,7 @@ def test_a_loaded_program_names_an_argument_of_another_dtype(tmp_path):
     x = np.ones((3, 4), np.float32)
     loaded = jaxq.load(jaxq.trace(lambda x: jnp.sin(x) * 2, x).save(tmp_path / "f.jaxq"))
     assert loaded(x.astype(np.float64)).dtype == np.float32  # (canonicalized, as under jit)
-    with pytest.raises(TypeError, match=r"args\[0\]: saved for float32\[3,4\], got int32\[3, 4\]"):
+    with pytest.raises(TypeError, match=r"args\[0\]: saved for float32\[3,4\], got int32\[3,4\]"):
         loaded(x.astype(np.int32))
 
 
