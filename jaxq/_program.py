@@ -142,8 +142,7 @@ class Program:
             elif dtype != aval.dtype and _canonical(dtype) == aval.dtype and shape == aval.shape:
                 x, dtype = jnp.asarray(x, aval.dtype), aval.dtype  # float64 -> float32, as jit
             if shape != aval.shape or dtype != aval.dtype:
-                got = f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"  # (as JAX writes)
-                bad.append(f"  {path}: expected {aval.str_short()}, got {got}")
+                bad.append(f"  {path}: expected {aval.str_short()}, got {short_type(dtype, shape)}")
             out.append(x)
         if bad:
             raise TypeError(
@@ -241,6 +240,16 @@ def _scalar_fits(x: bool | int | float | complex, dtype: Any) -> bool:
         return False
     with np.errstate(over="ignore"):
         return bool(np.all(np.isfinite(np.asarray(x, dtype)))) or not np.isfinite(x)
+
+
+def short_type(dtype: Any, shape: Any) -> str:
+    """``float32[7,4]``: a dtype and shape as JAX writes an aval, for messages comparing them
+    (``[7,4]`` for a dtype of None)."""
+    if dtype is None:
+        name = ""
+    else:  # (an extended dtype, a typed PRNG key's, is no numpy dtype: its own name)
+        name = np.dtype(dtype).name if isinstance(dtype, (np.dtype, type)) else str(dtype)
+    return f"{name}[{','.join(map(str, shape))}]"
 
 
 def _dtype_of(x: Any) -> Any:

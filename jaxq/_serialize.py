@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxq import _compat as C
-from jaxq._program import Program, _dtype_of, leaf_dtype
+from jaxq._program import Program, _dtype_of, leaf_dtype, short_type
 from jaxq._walk import map_equations
 
 FORMAT = "jaxq.program"
@@ -193,12 +193,12 @@ class LoadedProgram:
                 f"({want_tree})"
             )
         bad = [
-            f"  {p}: saved for {w.str_short()}, got {jnp.result_type(x).name}{_dims(x)}"
+            f"  {p}: saved for {w.str_short()}, got {short_type(jnp.result_type(x), np.shape(x))}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if not _fits(tuple(np.shape(x)), tuple(w.shape))
         ]
         wrong = [
-            f"  {p}: saved for {w.str_short()}, got {_dtype_of(x)}{_dims(x)}"
+            f"  {p}: saved for {w.str_short()}, got {short_type(_dtype_of(x), np.shape(x))}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if leaf_dtype(x) != w.dtype
         ]
@@ -209,7 +209,7 @@ class LoadedProgram:
                 + "\nCast them (x.astype(...)), or save the model again for these dtypes."
             )
         empty = [
-            f"  {p}: saved for {w.str_short()}, got {_dims(x)}"
+            f"  {p}: saved for {w.str_short()}, got {short_type(None, np.shape(x))}"
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if not bad
             and any(
@@ -316,8 +316,3 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
             "with this jax."
         ) from e
     return LoadedProgram(exported, consts, manifest)
-
-
-def _dims(x: Any) -> str:
-    """``[7,4]``: a shape as JAX writes it in ``float32[3,4]``."""
-    return f"[{','.join(map(str, np.shape(x)))}]"

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxq import _compat as C
 from jaxq import _serialize, _warnings
-from jaxq._program import Program, TraceError, leaf_dtype, trace
+from jaxq._program import Program, TraceError, leaf_dtype, short_type, trace
 from jaxq._taps import intermediates
 from jaxq._walk import RewriteError, interpret, rewrite
 from jaxq.quantize._annotate import annotate, prepare, with_params
@@ -156,9 +156,8 @@ class QuantizedFunction:
                         "it, e.g. jaxq.quantize(functools.partial(f, train=False), params, ...)"
                     ) from e
                 skip = 0 if spec is None else len(spec.avals)
-                short = lambda a: f"{np.dtype(a.dtype).name}[{','.join(map(str, a.shape))}]"
-                was = [short(a) for a in self._state.source.jaxpr.in_avals[skip:]]
-                now = [short(x) for x in specs]
+                was = [a.str_short() for a in self._state.source.jaxpr.in_avals[skip:]]
+                now = [short_type(x.dtype, x.shape) for x in specs]
                 raise TraceError(
                     f"{e}\nf was quantized with arguments {', '.join(was)}; this call gives "
                     f"{', '.join(now)}. Other shapes are traced again, through f itself, which "
