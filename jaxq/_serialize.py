@@ -170,6 +170,19 @@ def _fits(shape: tuple[int, ...], want: tuple[Any, ...]) -> bool:
     )
 
 
+def _fixed_axes(shape: tuple[int, ...], want: tuple[Any, ...]) -> str:
+    """The fixed axes of a saved shape that ``shape`` misses, for an error: `` (axis 1 is fixed
+    at 10)``; nothing where the ranks differ."""
+    if len(shape) != len(want):
+        return ""
+    axes = [
+        f"axis {i} is fixed at {w}"
+        for i, (n, w) in enumerate(zip(shape, want, strict=True))
+        if isinstance(w, (int, np.integer)) and n != w
+    ]
+    return f" ({', '.join(axes)})"
+
+
 class LoadedProgram:
     """A program loaded from disk: call it like the original function (jit-able, fixed shapes).
 
@@ -194,6 +207,7 @@ class LoadedProgram:
             )
         bad = [
             f"  {p}: saved for {w.str_short()}, got {short_type(jnp.result_type(x), np.shape(x))}"
+            + _fixed_axes(tuple(np.shape(x)), tuple(w.shape))
             for p, x, w in zip(self.manifest["in_paths"], flat, want, strict=True)
             if not _fits(tuple(np.shape(x)), tuple(w.shape))
         ]
@@ -231,8 +245,8 @@ class LoadedProgram:
                 + ":\n"
                 + "\n".join(bad)
                 + "\nSave the model again at the shape you need (qf.save(path, x) for a "
-                "QuantizedFunction, jaxq.trace(f, x).save(path) for a Program), or pad the batch "
-                "to the saved size."
+                "QuantizedFunction, jaxq.trace(f, x).save(path) for a Program), or pad the "
+                "fixed axes to their saved sizes."
             )
         if kwargs:
             return self.exported.call(self.consts, args, kwargs)

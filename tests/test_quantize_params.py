@@ -729,7 +729,8 @@ def test_a_model_that_fixes_its_batch_saves_at_its_shapes_and_says_why(tmp_path)
     np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(jax.jit(qf)(X)))
     with pytest.raises(
         TypeError,
-        match=r"symbolic batch(.|\n)*args\[0\]: saved for float32\[6,12\], got float32\[3,12\]",
+        match=r"symbolic batch(.|\n)*args\[0\]: saved for float32\[6,12\], got "
+        r"float32\[3,12\] \(axis 0 is fixed at 6\)",
     ):
         loaded(X[:3])
 
@@ -774,6 +775,11 @@ def test_arrays_made_at_the_batch_size_export_with_a_symbolic_batch(tmp_path):
     # (jax.export's symbolic sizes are >= 1: an empty batch is named, not JAX's internal error)
     with pytest.raises(ValueError, match=r"sizes of 1 or more(.|\n)*args\[0\]: saved for"):
         loaded(X[:0])
+    # (another axis than the batch: the error names it, not the batch, as what to pad)
+    with pytest.raises(
+        TypeError, match=r"got float32\[3,5\] \(axis 1 is fixed at 12\)(.|\n)*pad the fixed axes"
+    ):
+        loaded(X[:3, :5])
 
 
 @pytest.mark.parametrize("mode", ["realize", "simulate"])
@@ -1008,10 +1014,15 @@ def test_calibration_in_the_wrong_form_says_what_a_batch_is():
         Q(model, P, calibration=[(P, X)], progress=False)  # (the params in the batch too)
     with pytest.raises(
         QuantizeError,
-        match=r"(?s)need calibration data.*looks like calibration "
-        r"batches: pass them by name",
+        match=r"(?s)need calibration data.*as calibration batches are: if they are the "
+        r"batches, pass them by name",
     ):
         Q(model, BATCHES, progress=False)  # (the batches where the params go)
+    d0 = P["dense"][0]
+    layers = [(d0["kernel"], d0["bias"]), (np.ones((16, 4), np.float32),)]
+    with pytest.raises(QuantizeError, match="need calibration data") as err:
+        Q(lambda p, x: x @ p[0][0] @ p[1][0], layers, progress=False)  # (the README's layout)
+    assert "calibration batches" not in str(err.value)
     two = lambda p, x, m: model(p, x) * m
     with pytest.raises(
         QuantizeError,

@@ -721,6 +721,18 @@ def _bind_weights(
     return fun
 
 
+def _looks_like_batches(params: Any) -> bool:
+    """Whether ``params`` looks like calibration batches passed where the params go: a list of
+    tuples alike in structure and shape but for the batch axis (a model's layers, such as the
+    README's ``[(w0, b0), (w1, b1)]``, differ in shape)."""
+    if not (isinstance(params, list) and params and all(isinstance(b, tuple) for b in params)):
+        return False
+    kinds = {
+        (jax.tree.structure(b), tuple(np.shape(x)[1:] for x in jax.tree.leaves(b))) for b in params
+    }
+    return len(kinds) == 1
+
+
 def _check_params_tree(params: Any) -> None:
     leaves, _ = jax.tree_util.tree_flatten_with_path(params)
     if any(C.is_tracer(x) for _, x in leaves):
@@ -850,10 +862,10 @@ def quantize(
     )
     needs_data = (static and not config.dynamic) or gptq or smooth
     slip = (  # (the batches passed by position, where the params go)
-        "\nparams is a list of tuples, which looks like calibration batches: pass them by "
-        "name, jaxq.quantize(f, params, calibration=batches) (or without params, "
-        "jaxq.quantize(f, calibration=batches))."
-        if isinstance(params, list) and params and all(isinstance(b, tuple) for b in params)
+        "\nparams is a list of tuples alike in shape, as calibration batches are: if they are "
+        "the batches, pass them by name, jaxq.quantize(f, params, calibration=batches) (or "
+        "without params, jaxq.quantize(f, calibration=batches))."
+        if _looks_like_batches(params)
         else ""
     )
     if batches is None and (gptq or smooth):
