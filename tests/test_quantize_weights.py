@@ -235,3 +235,28 @@ def test_a_weight_too_small_for_a_normal_scale_keeps_its_codes(symmetric):
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
     closed = jaxq.quantize(functools.partial(f, p), calibration=[(x,)], config=cfg, progress=False)
     np.testing.assert_array_equal(np.asarray(closed(x)), got)
+
+
+@pytest.mark.parametrize("method", ["minmax", "mse"])
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+def test_a_params_scales_agree_on_the_host_eagerly_and_compiled(method, granularity):
+    """QAT computes a param's scales in the program, realize on the host: both, and an eager
+    call, give the same fake-quantized weight. XLA compiles ``max|w| / 7`` as ``max|w| * (1/7)``,
+    which an eager division of a scalar rounded otherwise (per-tensor scales, MSE's search)."""
+    rng = np.random.default_rng(3)
+    w = (rng.normal(size=(16, 24)) * rng.uniform(0.01, 10, size=(1, 24))).astype(np.float32)
+    w[:, 0] = np.linspace(-0.5, 0.5, 16)
+    w[0, 0] = 0.6441282  # (its channel's max)
+    p = {"w": w}
+    eye = np.eye(16, dtype=np.float32)
+    f = lambda p, x: x @ p["w"]  # (x = I: the output is the weight the program uses)
+    cfg = QConfig(
+        weights=Scheme(bits=4, granularity=granularity),
+        activations=None,
+        weight_calibration=method,
+    )
+    qs = jaxq.quantize(f, p, example_args=(eye,), config=cfg, mode="simulate", progress=False)
+    qf = jaxq.quantize(f, p, example_args=(eye,), config=cfg, progress=False)
+    compiled = np.asarray(jax.jit(qs.apply)(p, eye))
+    np.testing.assert_array_equal(np.asarray(qs.apply(p, eye)), compiled)
+    np.testing.assert_array_equal(np.asarray(qf.params["w"].dequantize()), compiled)

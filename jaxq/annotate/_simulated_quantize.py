@@ -107,7 +107,10 @@ def clamp(v: jax.Array, lo: float, hi: float) -> jax.Array:
 
 
 simulated_quantize_p = Primitive("simulated_quantize")
-simulated_quantize_p.def_impl(_fake_quant)
+# The eager impl is the lowering, compiled once per shape and params as JAX's own primitives run
+# eagerly (op by op, a new weight shape compiled each of its operations: seconds per weight).
+_STATIC = ("bits", "signed", "kind", "rounding", "axis", "group_size", "narrow_range", "ste")
+simulated_quantize_p.def_impl(jax.jit(_fake_quant, static_argnames=_STATIC))
 
 
 def _abstract_eval(x: Any, scale: Any, zero_point: Any, **params: Any) -> Any:

@@ -37,13 +37,15 @@ def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.A
     qmin, qmax = scheme.qrange
     lo = jnp.minimum(jnp.asarray(lo, jnp.float32), 0.0)
     hi = jnp.maximum(jnp.asarray(hi, jnp.float32), 0.0)
+    # (times the float32 reciprocal of the code span: XLA compiles a division by a constant
+    # that way, so the host, an eager call and a compiled program get the same scale)
     if scheme.symmetric:
         if scheme.signed:
-            scale = jnp.maximum(-lo, hi) / jnp.float32(2 ** (scheme.bits - 1) - 1)
+            scale = jnp.maximum(-lo, hi) * reciprocal(2 ** (scheme.bits - 1) - 1)
         else:
-            scale = hi / jnp.float32(qmax)
+            scale = hi * reciprocal(qmax)
     else:
-        scale = (hi - lo) / jnp.float32(qmax - qmin)
+        scale = (hi - lo) * reciprocal(qmax - qmin)
     # (a range so small that its scale is subnormal, which XLA:CPU flushes to 0, takes the least
     # normal scale: its codes are coarser, not all 0; an empty range or a non-finite one takes 1)
     live = (hi > lo) & jnp.isfinite(scale)
@@ -53,6 +55,11 @@ def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.A
     else:
         zp = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
     return scale, zp
+
+
+def reciprocal(n: int) -> np.float32:
+    """``1 / n`` rounded to float32 once, as XLA folds it."""
+    return np.float32(1) / np.float32(n)
 
 
 def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
@@ -114,44 +121,49 @@ def _weight_ranges(
         return lo, hi
     qmin, qmax = s.qrange
 
-    def error(r: float) -> jax.Array:
+    def error(r: Any) -> jax.Array:
         scale, zp = range_to_qparams(lo * r, hi * r, s)
         q = jnp.clip(_ROUND[s.rounding](wf / scale) + zp, qmin, qmax)  # the scheme's rounding
         return jnp.sum(jnp.square((q - zp) * scale - wf), axes, keepdims=True)
 
-    best_err, best_r = error(1.0), jnp.ones_like(lo)
-    for r in MSE_RATIOS[1:]:
-        err = error(r)
-        best_r = jnp.where(err < best_err, r, best_r)
-        best_err = jnp.minimum(err, best_err)
+    ratios = jnp.asarray(MSE_RATIOS[1:], jnp.float32)
+
+    def step(i: Any, best: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        err = error(ratios[i])
+        return jnp.minimum(err, best[0]), jnp.where(err < best[0], ratios[i], best[1])
+
+    # (a loop, not 25 copies of the search: one small program to compile per weight shape)
+    _, best_r = lax.fori_loop(0, len(ratios), step, (error(1.0), jnp.ones_like(lo)))
     return lo * best_r, hi * best_r
 
 
-def weight_qparams(wf: jax.Array, site: Site, method: str) -> tuple[Any, Any, Any, Any]:
-    """``(scale, zero_point, group_scale, group_zero_point)`` of a float32 weight in the site's
-    orientation: scale and zero point broadcastable to it (full size for groups), the group ones
-    ``[channels, groups]`` (None unless grouped). Core ops only, so the same arithmetic runs on
-    the host (``quantize_weight``) and inside a program (QAT on params)."""
-    s = site.weights
+def weight_qparams(
+    wf: jax.Array, s: Scheme, channel_axis: int, method: str
+) -> tuple[Any, Any, Any, Any]:
+    """``(scale, zero_point, group_scale, group_zero_point)`` of a float32 weight with one scale
+    per ``channel_axis`` (per group, per tensor): scale and zero point broadcastable to it (full
+    size for groups), the group ones ``[channels, groups]`` (None unless grouped). Core ops only,
+    so the same arithmetic runs on the host (``quantize_weight``) and inside a program (QAT on
+    params)."""
     if s.granularity in ("tensor", "channel"):
-        wc = jnp.moveaxis(wf, site.channel_axis, -1).reshape(-1, wf.shape[site.channel_axis])
+        wc = jnp.moveaxis(wf, channel_axis, -1).reshape(-1, wf.shape[channel_axis])
         axes = (0, 1) if s.granularity == "tensor" else (0,)
         lo, hi = _weight_ranges(wc, axes, s, method)
         scale, zp = range_to_qparams(lo, hi, s)
         if s.granularity == "channel":  # [1, N] -> broadcastable to the weight
             shape = [1] * wf.ndim
-            shape[site.channel_axis] = -1
+            shape[channel_axis] = -1
             return scale.reshape(shape), zp.reshape(shape), None, None
         return scale.reshape(()), zp.reshape(()), None, None
     # group: a 2-D weight, groups along the contracted axis, per channel
-    wt = jnp.moveaxis(wf, site.channel_axis, 0)  # [N, K]
+    wt = jnp.moveaxis(wf, channel_axis, 0)  # [N, K]
     n, kk = wt.shape
     g = s.group_size
     assert g is not None  # Scheme requires group_size with granularity="group"
     lo, hi = _weight_ranges(wt.reshape(n, kk // g, g), (2,), s, method)
     group_scale, group_zp = range_to_qparams(lo[..., 0], hi[..., 0], s)
-    full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, site.channel_axis)
-    full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, site.channel_axis)
+    full_scale = jnp.moveaxis(jnp.repeat(group_scale, g, axis=1), 0, channel_axis)
+    full_zp = jnp.moveaxis(jnp.repeat(group_zp, g, axis=1), 0, channel_axis)
     return full_scale, full_zp, group_scale, group_zp
 
 
@@ -160,7 +172,9 @@ def traced_qweight(w: jax.Array, site: Site, method: str) -> QWeight:
     mode: QAT moves the weights, and the scales follow). No codes: the simulated program
     fake-quantizes the weight itself. ``"gptq"`` needs data, so it uses minmax scales here."""
     wf = lax.stop_gradient(w.astype(jnp.float32))
-    scale, zp, gs, gz = weight_qparams(wf, site, "mse" if method == "mse" else "minmax")
+    scale, zp, gs, gz = weight_qparams(
+        wf, site.weights, site.channel_axis, "mse" if method == "mse" else "minmax"
+    )
     off = storage_offset(site.weights)
     return QWeight(
         codes=None,  # (not materialized in simulate mode)
@@ -203,6 +217,12 @@ def view_qweight(view: QView, site: Site) -> QWeight:
     )
 
 
+_host_weight_qparams = jax.jit(weight_qparams, static_argnums=(1, 2, 3))
+"""``weight_qparams`` as one compiled function per weight shape and scheme: run op by op, each
+of its operations compiled for every new weight shape (26 clipping ratios for MSE), which made
+quantizing a model of many shapes take seconds per weight."""
+
+
 def quantize_weight(
     w: Any,
     site: Site,
@@ -216,26 +236,30 @@ def quantize_weight(
     (else minmax)."""
     s = site.weights
     with jax.ensure_compile_time_eval():
-        wf = jnp.asarray(w, jnp.float32)
-        if not bool(jnp.all(jnp.isfinite(wf))):
+        wf = np.asarray(w).astype(np.float32, copy=False)  # (on the host: checks compile nothing)
+        if not np.isfinite(wf).all():
             raise QuantizeError(f"quantize: weight of {site.name!r} holds NaN or Inf")
-        if s.symmetric and not s.signed and bool(jnp.any(wf < 0)):
+        if s.symmetric and not s.signed and (wf < 0).any():
             _warnings.warn(
                 f"quantize: the weight of {site.name!r} holds negative values, which an unsigned "
                 "symmetric scheme (codes from 0, zero point 0) clips to 0; use "
                 "Scheme(signed=True) or Scheme(symmetric=False) for it",
                 UserWarning,
             )
-        full_scale, full_zp, group_scale, group_zp = weight_qparams(wf, site, method)
+        full_scale, full_zp, group_scale, group_zp = _host_weight_qparams(
+            wf, s, site.channel_axis, method
+        )
         off = storage_offset(s)
         scales = QWeight(
             codes=np.zeros(wf.shape, np.int8),
             scale=np.asarray(full_scale, np.float32),
-            zero_point=np.asarray(full_zp + off).astype(np.int32),
+            zero_point=(np.asarray(full_zp) + off).astype(np.int32),
             offset=off,
             bits=s.bits,
             group_scale=None if group_scale is None else np.asarray(group_scale, np.float32),
-            group_zero_point=None if group_zp is None else np.asarray(group_zp + off, np.int32),
+            group_zero_point=None
+            if group_zp is None
+            else (np.asarray(group_zp) + off).astype(np.int32),
             method="mse" if method == "mse" else "minmax",
         )
         if method == "gptq" and gram is not None:
@@ -254,7 +278,7 @@ def quantize_weight(
         # The codes are read back from the simulated value itself: XLA divides by a broadcast
         # scale as w * (1 / s), so recomputing round(w / s) elsewhere (in numpy) could differ by
         # one code at a tie.
-        fq = np.asarray(fake_quant_weight(np.asarray(wf), scales, site), np.float64)
+        fq = np.asarray(fake_quant_weight(wf, scales, site), np.float64)
         q = np.rint(fq / scales.scale) + (scales.zero_point - off)
     return dataclasses.replace(scales, codes=(q + off).astype(np.int8))
 

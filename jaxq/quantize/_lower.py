@@ -38,6 +38,7 @@ from jaxq.quantize._arith import (
     fake_quant_weight,
     int8_codes,
     quantize_weight,
+    reciprocal,
     storage_offset,
     straight_through,
     traced_qweight,
@@ -969,7 +970,7 @@ def _operand_scale(x: Any, axes: tuple[int, ...], scheme: Scheme) -> Any:
     """A symmetric scale of ``x`` reduced over ``axes`` (kept as size-1 dims): ``max|x| /
     qmax``, 1 where the values are all 0, non-finite where they are."""
     m = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
-    return jnp.where(m == 0, jnp.float32(1), m / jnp.float32(scheme.qrange[1]))
+    return jnp.where(m == 0, jnp.float32(1), m * reciprocal(scheme.qrange[1]))
 
 
 def _tensor_scale(x: Any, axes: tuple[int, ...], scheme: Scheme) -> Any:
