@@ -254,6 +254,31 @@ def test_masked_report_on_flattened_tokens():
     assert row.sqnr_db > plain.sqnr_db + 20 and row.clipped < 0.02 < plain.clipped
 
 
+def test_a_pooled_layer_counts_the_examples_with_a_valid_position():
+    """A BERT-style pooler (``[batch, features]``: no token axis) under a ``[batch, tokens]``
+    mask: a row counts where its example has a valid token (it raised, so a stock Flax BERT
+    could not be reported with a mask)."""
+
+    def pooled(params, x):
+        with jax.named_scope("Dense_0"):
+            h = jax.nn.relu(x @ params["w0"])
+        with jax.named_scope("Pooler"):
+            return h[:, 0] @ params["w1"]  # (the first token's row, as BERT's pooler)
+
+    cal = [(padded(s, 0.0)[0],) for s in range(2)]
+    qf = jaxq.quantize(pooled, TOK, calibration=cal, progress=False)
+    x, valid = padded(13, 300.0)
+    rows = {r.name: r for r in qf.report(sample=(x,), mask=valid).layers}
+    plain = {r.name: r for r in qf.report(sample=(x,)).layers}
+    assert rows["Pooler/dot_general"].sqnr_db == plain["Pooler/dot_general"].sqnr_db  # all rows
+    assert rows["Dense_0/dot_general"].sqnr_db > plain["Dense_0/dot_general"].sqnr_db + 20
+    # an example with no valid token drops its pooled row
+    first = valid & (np.arange(3) == 0)[:, None]
+    one = {r.name: r for r in qf.report(sample=(x,), mask=first).layers}
+    sub = {r.name: r for r in qf.report(sample=(x[:1],)).layers}
+    assert one["Pooler/dot_general"].sqnr_db == pytest.approx(sub["Pooler/dot_general"].sqnr_db)
+
+
 def test_a_mask_that_does_not_fit_names_the_layer_and_both_shapes(tok_qf):
     x, valid = padded(12, 1.0)
     with pytest.raises(QuantizeError) as info:

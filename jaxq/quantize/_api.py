@@ -38,8 +38,8 @@ from jaxq.quantize._realize import realize, realize_handler, realize_program
 from jaxq.quantize._report import (
     Report,
     check_mask,
+    fit_mask,
     make_report,
-    mask_shape,
     masked,
     sqnr_db,
 )
@@ -360,7 +360,7 @@ class QuantizedFunction:
             for e in source.equations():
                 if e.name in names:
                     shape = tuple(shaped_aval(e.eqn.outvars[0]).shape)
-                    mask_shape(mask.shape, shape, e.name, "output", "report")
+                    fit_mask(mask, shape, e.name, "output", "report")
         ref = intermediates(source, names, *ref_lead, *args, **kwargs)
         got = intermediates(sim, names, *sim_lead, *args, **kwargs)
         pick = lambda n, v: masked(np.asarray(v), mask, n, "output", "report")
@@ -441,8 +441,8 @@ class QuantizedFunction:
                     if m is None:
                         stats[site.name] = jnp.mean(outside)
                     else:
-                        shape = mask_shape(m.shape, a.shape, site.name, "activation", "report")
-                        valid = jnp.broadcast_to(m.reshape(shape), a.shape).astype(jnp.float32)
+                        fit = fit_mask(m, a.shape, site.name, "activation", "report")
+                        valid = jnp.broadcast_to(fit, a.shape).astype(jnp.float32)
                         stats[site.name] = jnp.sum(outside * valid) / jnp.sum(valid)
                 return visit.bind(*invals)
 
@@ -493,8 +493,10 @@ class QuantizedFunction:
         matched against the leading axes of each layer's output (SQNR) and activation input
         (clipped): each must equal the tensor's axis or be 1, and the tensor's remaining axes
         (features) are broadcast; a tensor whose first axis holds all the mask's positions
-        flattened in row-major order (``[batch * tokens, features]``) takes the mask flattened.
-        A layer whose tensors fit neither raises a :class:`QuantizeError` naming it and both
+        flattened in row-major order (``[batch * tokens, features]``) takes the mask flattened,
+        and one that lost the mask's last axes (a pooled ``[batch, features]``) takes the mask
+        reduced over them (a row is valid where any of its positions is). A layer whose tensors
+        fit none of these raises a :class:`QuantizeError` naming it and both
         shapes. Integer masks count non-zero as valid (``attention_mask``).
         """
         params = self.params if self._with_params else None

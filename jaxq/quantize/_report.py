@@ -275,22 +275,25 @@ def check_mask(mask: Any, who: str) -> np.ndarray:
     return m
 
 
-def mask_shape(
-    mask: tuple[int, ...], shape: tuple[int, ...], layer: str, what: str, who: str
-) -> tuple[int, ...]:
-    """The shape to reshape a mask of shape ``mask`` to, so it broadcasts against a tensor of
-    ``shape``: its axes against the tensor's leading axes (each equal, or 1 in the mask), or,
-    where the tensor holds every masked position flattened in its first axis (``[batch * tokens,
-    features]``), one leading axis in row-major order. Else an error naming the layer."""
-    k, n = len(mask), len(shape)
-    if k <= n and all(m in (1, s) for m, s in zip(mask, shape[:k], strict=False)):
-        return (*mask, *(1,) * (n - k))
-    size = math.prod(mask)
+def fit_mask(mask: Any, shape: tuple[int, ...], layer: str, what: str, who: str) -> Any:
+    """``mask`` (numpy or traced) made to broadcast against a tensor of ``shape``: its axes
+    against the tensor's leading axes (each equal, or 1 in the mask); or, where the tensor holds
+    every masked position flattened in its first axis (``[batch * tokens, features]``), one
+    leading axis in row-major order; or, for a tensor that lost the mask's last axes (a pooled
+    ``[batch, features]`` output), the mask reduced over them: a row is valid where any of its
+    positions is. Else an error naming the layer."""
+    k, n = mask.ndim, len(shape)
+    fits = lambda j: all(m in (1, s) for m, s in zip(mask.shape[:j], shape[:j], strict=False))
+    if k <= n and fits(k):
+        return mask.reshape(*mask.shape, *(1,) * (n - k))
+    size = math.prod(mask.shape)
     if n >= 1 and shape[0] == size:
-        return (size, *(1,) * (n - 1))
+        return mask.reshape(size, *(1,) * (n - 1))
+    if 2 <= n <= k and fits(n - 1):  # (the features last: every axis but one is the mask's)
+        return mask.any(axis=tuple(range(n - 1, k))).reshape(*mask.shape[: n - 1], 1)
     raise QuantizeError(
-        f"{who}: the mask of shape {tuple(mask)} cannot be broadcast against the {what} of layer "
-        f"{layer!r}, of shape {tuple(shape)}.\n"
+        f"{who}: the mask of shape {tuple(mask.shape)} cannot be broadcast against the {what} of "
+        f"layer {layer!r}, of shape {tuple(shape)}.\n"
         "The mask's axes must match the leading axes of every measured layer's output and "
         "activation (each equal, or 1 in the mask), or the first axis must hold all its "
         f"{size} positions flattened ([batch * tokens, ...]). Pass a mask shaped like the "
@@ -303,8 +306,7 @@ def masked(values: np.ndarray, mask: np.ndarray | None, layer: str, what: str, w
     if mask is None:
         return values
     values = np.asarray(values)
-    m = mask.reshape(mask_shape(mask.shape, values.shape, layer, what, who))
-    return values[np.broadcast_to(m, values.shape)]
+    return values[np.broadcast_to(fit_mask(mask, values.shape, layer, what, who), values.shape)]
 
 
 def _worst_first(rows: list[LayerReport]) -> list[LayerReport]:
