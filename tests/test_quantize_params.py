@@ -1166,3 +1166,15 @@ def test_layers_in_custom_derivative_functions_say_why_they_stay_float():
         qf = Q(lambda p, x: dense(x, p["a"]), w, calibration=BATCHES, progress=False)
     (row,) = qf.report().layers
     assert row.status.startswith("inside a custom_jvp / custom_vjp function: stays float")
+
+
+def test_a_function_that_never_reads_its_params_is_named():
+    # (a Hugging Face Flax model called as model(x), not model(x, params=p), uses its own
+    # weights: nothing was quantized as params and new params changed nothing, without a word)
+    with pytest.warns(UserWarning, match=r"never reads the params it is given.*params=p"):
+        qf = Q(lambda p, x: model(P, x), P, calibration=BATCHES, progress=False)
+    leaves = jax.tree.leaves(qf.params, is_leaf=lambda v: isinstance(v, QArray))
+    assert leaves and not any(isinstance(leaf, QArray) for leaf in leaves)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (reading some of the params is fine)
+        Q(lambda p, x: model(dict(P, head=p["head"]), x), P, calibration=BATCHES, progress=False)

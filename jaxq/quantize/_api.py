@@ -723,6 +723,13 @@ def _bind_weights(
     return fun
 
 
+def _reads_params(program: Program, n: int) -> bool:
+    """Whether a program traced as ``f(params, ...)`` reads any of its ``n`` param leaves."""
+    jaxpr = program.jaxpr.jaxpr
+    used = C.use_counts(jaxpr.eqns, jaxpr.outvars)
+    return n == 0 or any(used.get(v, 0) for v in jaxpr.invars[:n])
+
+
 def _looks_like_batches(params: Any) -> bool:
     """Whether ``params`` looks like calibration batches passed where the params go: a list of
     tuples alike in structure and shape but for the batch axis (a model's layers, such as the
@@ -922,6 +929,13 @@ def quantize(
             f"quantize: could not trace f with {given}, called as {call} (a batch is a tuple "
             f"of the arguments{held}{as_one}): {type(e).__name__}: {e}"
         ) from e
+    if params is not None and not _reads_params(program, len(jax.tree.leaves(params))):
+        _warnings.warn(
+            "jaxq.quantize: f never reads the params it is given, so its weights are closed "
+            "over: qf.params holds no QArray, and params passed to qf.apply are ignored. Pass "
+            "them through f (for a Hugging Face Flax model: lambda p, x: model(x, params=p))",
+            UserWarning,
+        )
     phases = [annotate(config, params_argnum=0 if params is not None else None)]
     if batches is not None and needs_data:
         # (a list in memory already stays one, so the progress bar knows how many batches)
