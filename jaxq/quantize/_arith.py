@@ -246,8 +246,9 @@ def quantize_weight(
                 "Scheme(signed=True) or Scheme(symmetric=False) for it",
                 UserWarning,
             )
+        how = "mse" if method == "mse" else "minmax"  # (GPTQ and AWQ start from minmax scales)
         full_scale, full_zp, group_scale, group_zp = _host_weight_qparams(
-            wf, s, site.channel_axis, method
+            wf, s, site.channel_axis, how
         )
         off = storage_offset(s)
         scales = QWeight(
@@ -260,7 +261,7 @@ def quantize_weight(
             group_zero_point=None
             if group_zp is None
             else (np.asarray(group_zp) + off).astype(np.int32),
-            method="mse" if method == "mse" else "minmax",
+            method=how,
         )
         if method == "gptq" and gram is not None:
             # rows: the contracted axes flattened in order (the order of ``gram``)
