@@ -443,8 +443,7 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     zp = int(np.clip(zp + (128 if dtype == np.uint8 else 0), info.min, info.max))
     x = (rng.normal(size=(5, 7)) * 100 * scale).astype(np.float32)
     x[0, 3] = scale * np.float32(1e9)  # (saturates)
-    if mantissa == 1.0:  # ties to even (exact halves only for a power-of-two scale: XLA:CPU's
-        x[0, :3] = scale * np.array([0.5, 1.5, -2.5], np.float32)  # vector division is not IEEE)
+    x[0, :3] = scale * np.array([0.5, 1.5, -2.5], np.float32)  # (ties, or near them)
     x[1, :2] = [np.inf, -np.inf]
 
     def f(x, s):  # (as realize writes it; the scale an argument, as a QArray's is)
@@ -459,6 +458,36 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     (got,), ops = run_onnx_ops(f, x, s)
     np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x, s)))
     assert "QuantizeLinear" in ops and "Round" not in ops
+
+
+def test_a_quantize_by_a_constant_scale_rounds_near_ties_as_xla():
+    """XLA compiles ``x / s`` for a constant ``s`` (a calibrated activation scale) as
+    ``x * (1 / s)``; QuantizeLinear divides. At near-ties the two round apart (x / s =
+    85.49999 is 85, x * (1 / s) 86), so the exporter multiplies by the same reciprocal."""
+    s = np.float32(0.0123)
+    k = np.arange(-128, 127, dtype=np.float32)
+    near = np.float32((k + 0.5) * s)[:, None]
+    steps = np.array([-2, -1, 0, 1, 2])  # (ulps around each half-way point)
+    x = near + steps * np.spacing(near)
+    x = x.astype(np.float32).reshape(1, -1)
+    assert (np.round(x / s) != np.round(x * (np.float32(1) / s))).any()  # (ties that differ)
+
+    def f(x):
+        r = lax.round(x / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(3)
+        return lax.clamp(np.float32(-128), r, np.float32(127)).astype(jnp.int8)
+
+    (got,), ops = run_onnx_ops(f, x)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x)))
+    assert "QuantizeLinear" in ops and "Round" not in ops
+
+    def g(x, scale, row):  # (a division by a broadcast value, computed at run time or not;
+        x = x.reshape(-1, 5)  # by a value only reshaped, x[:1] / row, XLA divides)
+        return x / scale, x / row, x[:1] / row, x / s, x / (x + 1)
+
+    row = np.full(5, s, np.float32)
+    got = run_onnx(g, x, s, row)
+    for a, b in zip(got, jax.jit(g)(x, s, row), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -837,10 +866,11 @@ def test_nan_rows_known_from_an_earlier_layer_are_not_checked_again():
         made = [n for n in model.graph.node if n.op_type == op]
         return [sorted(n.op_type for n in model.graph.node if m.output[0] in n.input) for m in made]
 
-    assert readers("Gelu") == [["QuantizeLinear"]]  # (no NaN check reads it)
+    # (each quantize is x * (1 / s) into a QuantizeLinear)
+    assert readers("Gelu") == [["Mul"]]  # (no NaN check reads it)
     first, second = readers("LayerNormalization")
-    assert first == ["Add", "QuantizeLinear", "ReduceSum"]  # (the residual, and no x * 0)
-    assert second == ["QuantizeLinear"]
+    assert first == ["Add", "Mul", "ReduceSum"]  # (the residual, and no x * 0)
+    assert second == ["Mul"]
 
 
 def test_a_nan_row_read_by_several_layers_is_written_once():
@@ -905,14 +935,11 @@ def test_a_scanned_layer_stack_offloads_unrolled_in_one_region():
         with jax.named_scope("Head"):
             return h @ params["head"], hs
 
-    # (its own seed: one draw of the module's RNG put the head's input at x / s = 85.49999,
-    # which QuantizeLinear's division rounds to 85 and XLA's x * (1/s) to 86; open, see stop 37)
-    rng = np.random.default_rng(0)
     params = {  # (layers too large for fold_constants to fold a slice of the stack)
-        "stack": (rng.normal(size=(3, 72, 72)) * 0.05).astype(np.float32),
-        "head": rng.normal(size=(72, 4)).astype(np.float32),
+        "stack": (RNG.normal(size=(3, 72, 72)) * 0.05).astype(np.float32),
+        "head": RNG.normal(size=(72, 4)).astype(np.float32),
     }
-    x = rng.normal(size=(5, 72)).astype(np.float32)
+    x = RNG.normal(size=(5, 72)).astype(np.float32)
     qf = jaxq.quantize(f, params, calibration=[(x,)], progress=False)
     fast = jaxq.offload(qf, exact=True)
     with warnings.catch_warnings():

@@ -474,6 +474,18 @@ class _Exporter:
             for known in (self.bounded, self.rows, self.same_rows, self.norms, self.finite_like):
                 known.pop(v, None)
 
+    def reciprocal(self, a: Any, name: str, shape: Sequence[int]) -> str | None:
+        """``1 / a`` where XLA divides a ``shape`` by ``a`` as a multiply by its reciprocal:
+        ``a`` constant or broadcast to more elements (measured on XLA:CPU; a division by an
+        array computed at run time, or only reshaped, divides). None: a true division."""
+        known = self.value(a)
+        if known is not None:
+            with np.errstate(divide="ignore"):  # (1 / 0 is inf, as in XLA: x * inf is x / 0)
+                return self.const(np.reciprocal(known))
+        b = self.graph.made_by(a, "broadcast_in_dim")
+        src = shaped_aval(a if b is None else b.invars[0]).shape
+        return self.node("Reciprocal", [name])[0] if math.prod(src) < math.prod(shape) else None
+
     def value(self, a: Any) -> np.ndarray | None:
         """The value of a literal or of a constant (an initializer) of the current jaxpr, also
         reshaped or broadcast (where a rule looks ahead of the equations written so far)."""
@@ -538,6 +550,10 @@ class _Exporter:
         wide_int = np.dtype(out_aval.dtype).name in ("int32", "int64")
         if name == "div" and wide_int and not _plain_divisor(e.invars[1]):
             return self.int_div(np.dtype(out_aval.dtype), *ins)
+        if name == "div" and np.dtype(out_aval.dtype).kind == "f":
+            inverse = self.reciprocal(e.invars[1], ins[1], out_aval.shape)
+            if inverse is not None:
+                return self.node("Mul", [ins[0], inverse])
         if name in _BINARY:
             return self.node(_BINARY[name], ins)
         if name == "rsqrt":
@@ -815,7 +831,9 @@ class _Exporter:
     def quantize_linear(self, e: C.JaxprEqn) -> str | None:
         """Realize's quantize (see quantize_form) as one ``QuantizeLinear``, which computes
         ``clamp(round(x / s), lo - zp, hi - zp) + zp``: the same integers for an integer zp (NaN
-        inputs give other codes, which realize's NaN rows override). Codes of int8 are recorded
+        inputs give other codes, which realize's NaN rows override). ``x / s`` is written as
+        XLA computes it, ``x * (1 / s)`` (see reciprocal), and quantized with a scale of 1: a
+        division rounds near-ties apart (85.49999 against 86). Codes of int8 are recorded
         so that a dot's uint8 operand is the same node with its zero point moved by 128 (see
         shifted_u8). None: not that pattern."""
         form = self.quantize_form(e)
@@ -833,6 +851,9 @@ class _Exporter:
             zp_ref = self.name_of(zp)
             zp_name = self.node("Cast", [zp_ref], to=self.helper.np_dtype_to_tensor_dtype(to))[0]
         src, s = self.name_of(x), self.name_of(scale)
+        inverse = self.reciprocal(scale, s, shaped_aval(x).shape)
+        if inverse is not None:
+            src, s = self.node("Mul", [src, inverse])[0], self.const(np.float32(1))
         out = self.node("QuantizeLinear", [src, s, zp_name])[0]
         if to == np.int8:
             self.quantized[out] = (src, s, zp_ref)
