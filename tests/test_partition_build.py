@@ -253,3 +253,36 @@ def test_a_numpy_runner_under_jit_gets_told_how_to_run_eagerly(mlp_program):
 
     fn = P.build(mlp_program, backends={"A": eager_codegen})
     np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-5, atol=1e-6)
+
+
+def test_regions_on_other_backends_differentiate_like_their_jaxpr(mlp_program):
+    """A backend computes values (a numpy interpreter, jax.pure_callback, ONNX Runtime have no
+    JVP); jax.grad / jax.jvp / vmap of grad take the region's jaxpr's derivatives from XLA."""
+
+    def loss(x):
+        return jnp.sum(mlp(x) ** 2)
+
+    want = jax.grad(loss)(X)
+    eager = P.build(mlp_program, backends={"A": "host"}, jit=False)
+    for fn in (P.build(mlp_program, backends={"A": "host"}), eager):
+        got = jax.grad(lambda x, fn=fn: jnp.sum(fn(x) ** 2))(X)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(eager(x) ** 2)))(X)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    xs = np.stack([X, X * 2])
+    each = jax.vmap(jax.grad(lambda x: jnp.sum(eager(x) ** 2)))(xs)
+    np.testing.assert_allclose(each, jax.vmap(jax.grad(loss))(xs), rtol=1e-5, atol=1e-6)
+    _, t = jax.jvp(eager, (X,), (np.ones_like(X),))
+    np.testing.assert_allclose(t, jax.jvp(mlp, (X,), (np.ones_like(X),))[1], rtol=1e-5)
+
+    def scaled(x, i):  # (an integer input and output: float0 tangents)
+        return x * i[:, None].astype(jnp.float32), i * 2
+
+    for p in ("mul", "convert_element_type", "broadcast_in_dim"):
+        P.register_op_support("B", p)
+    i = np.array([2, 0, 1, 3], np.int32)
+    prog = partitioned(scaled, (X, i), "B")
+    assert [r.compiler for r in P.regions(prog)] == ["B", "B"]  # (float and int products)
+    fn = P.build(prog, backends={"B": "host"})
+    g = jax.grad(lambda x: jnp.sum(fn(x, i)[0] ** 2))(X)
+    np.testing.assert_array_equal(g, jax.grad(lambda x: jnp.sum(scaled(x, i)[0] ** 2))(X))

@@ -95,6 +95,17 @@ def test_regions_run_in_onnxruntime(crossing, monkeypatch):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert [r.calls() for r in made] == [4, 4]
 
+    def loss(f, x):
+        a, b = f(x)
+        return jnp.sum(a * a) + jnp.sum(b)
+
+    # jax.grad: values from ONNX Runtime, derivatives from the regions' jaxprs, in XLA
+    value, grad = jax.jit(jax.value_and_grad(lambda x: loss(fn, x)))(X)
+    want_value, want_grad = jax.value_and_grad(lambda x: loss(model, x))(X)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert [r.calls() for r in made] == [5, 5]
+
 
 def test_registered_onnxruntime_backend_and_export():
     prog = partitioned()

@@ -34,7 +34,8 @@ def build(
     jit: bool = True,
 ) -> Callable[..., Any]:
     """A function with ``program``'s signature that runs every region (see
-    :func:`jaxq.partition.regions`) on its backend and everything else with XLA.
+    :func:`jaxq.partition.regions`) on its backend and everything else with XLA. Derivatives
+    (``jax.grad``, ``jax.jvp``) of a region on another backend are its jaxpr's, from XLA.
 
     Args:
       backends: ``compiler -> backend name or codegen``; a compiler not listed uses the backend
@@ -77,9 +78,8 @@ def build(
                 raise BackendError(msg + "\nPass fallback='xla' to run it with XLA instead.") from e
             warn(msg + "; running it with XLA instead", BackendFallbackWarning)
             fn = xla_backend()(r.program())
-        runners[r.name] = _guard(
-            fn, r.name, label, r.program() if fallback == "xla" else None, r.program()
-        )
+        run = _guard(fn, r.name, label, r.program() if fallback == "xla" else None, r.program())
+        runners[r.name] = run if label == "xla" else _differentiable(run, r.program())
     placement = dict(program.meta.get(PLACEMENT_KEY, {}))
     jittable = all(getattr(f, "jittable", True) for f in runners.values()) and not placement
     closed = program.jaxpr
@@ -189,6 +189,27 @@ def _guard(
 
     run.jittable = getattr(fn, "jittable", True)  # type: ignore[attr-defined]
     return run
+
+
+def _differentiable(run: Callable[..., Sequence[Any]], region: Program) -> Callable[..., Any]:
+    """``run`` with the region's own derivatives: a backend computes values (ONNX Runtime, a
+    numpy interpreter and ``jax.pure_callback`` have no JVP), and ``jax.grad`` / ``jax.jvp``
+    take the region jaxpr's, computed by XLA at the same inputs (as for any XLA region)."""
+    reference = C.jaxpr_as_fun(region.jaxpr)
+
+    @jax.custom_jvp
+    def call(*args: Any) -> list[Any]:
+        return list(run(*args))
+
+    @call.defjvp
+    def _(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        return call(*primals), jax.jvp(reference, primals, tangents)[1]
+
+    def differentiable(*args: Any) -> list[Any]:
+        return call(*args)
+
+    differentiable.jittable = getattr(run, "jittable", True)  # type: ignore[attr-defined]
+    return differentiable
 
 
 def _tracing(args: Sequence[Any]) -> bool:
