@@ -180,6 +180,18 @@ def test_checkpointed_calls_a_backend_claims_run_there(backend):
     np.testing.assert_allclose(run(X), f(X), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["host", "onnxruntime"])
+def test_gradients_run_on_the_table_backends(backend):
+    """JAX adds up cotangents with add_any: a region of a gradient failed to build on both
+    ("no numpy rule for ['add_any']", "no rule for ['add_any']")."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(x) * jnp.tanh(x @ W)))
+    parts, got = run_claimed(backend, g, X)
+    assert any("add_any" in r.primitives for r in P.regions(parts))
+    np.testing.assert_allclose(got, g(X), rtol=1e-5, atol=1e-6)
+
+
 def _pool_padded(x):
     return lax.reduce_window(
         x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 1, 1), ((0, 0), (0, 0), (2, 0), (0, 0))
@@ -202,13 +214,15 @@ _I32 = np.array([7, -7, 9, 4], np.int32)
         (lambda x: jnp.pad(x, ((1, 1), (0, 2))) * 2, (_I16,)),
         (lambda x: x.astype(jnp.int4).astype(jnp.int32) * 2, (_I32,)),
         (lambda x: lax.reduce_max(x, (0,)) + 1, (np.zeros((0, 3), np.float32),)),
+        (lambda z: z * z + 1, (np.array([1 + 2j, -3j], np.complex64),)),
     ],
     ids=["clamp_lo_above_hi", "int_div_by_zero", "pool_padded_by_a_window", "max_int16",
-         "sum_int8", "lt_bool", "pad_int16", "int4", "max_of_nothing"],
+         "sum_int8", "lt_bool", "pad_int16", "int4", "max_of_nothing", "complex"],
 )  # fmt: skip
 def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
     """Each of these was claimed for ONNX Runtime and then failed to open (int16 Max, int8
-    ReduceSum, bool Less, MaxPool padded by its window, int16 Pad, a Cast to int4), failed at
+    ReduceSum, bool Less, MaxPool padded by its window, int16 Pad, a Cast to int4, complex
+    Mul), failed at
     run time (integer division by 0, which XLA defines), or ran wrong (a clamp whose bounds
     cross gave lo; XLA gives hi)."""
     pytest.importorskip("onnxruntime")

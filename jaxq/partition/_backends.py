@@ -242,6 +242,7 @@ def _convert(x: np.ndarray, dtype: Any) -> np.ndarray:
 
 HOST_RULES: dict[str, Callable[..., Any]] = {
     "add": np.add,
+    "add_any": np.add,  # (gradients add up cotangents with it)
     "sub": np.subtract,
     "mul": np.multiply,
     "div": _div,
@@ -397,7 +398,7 @@ def host_codegen(region: Program) -> Callable[..., Sequence[Any]]:
         raise BackendError(
             f"the host backend cannot run region {region.name!r}: no numpy rule for "
             f"{sorted(bad)} (it has rules for {len(HOST_RULES)} primitives, see "
-            "jaxq.partition._backends.HOST_RULES)"
+            "jaxq.partition.backend_ops('host'))"
         )
     consts = [np.asarray(c) for c in closed.consts]
     return callback_runner(region, lambda *args: eval_host(closed.jaxpr, consts, args))

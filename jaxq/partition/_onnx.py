@@ -52,7 +52,7 @@ _UNARY = {
     "floor": "Floor", "ceil": "Ceil",
 }  # fmt: skip
 _BINARY = {
-    "add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min",
+    "add": "Add", "add_any": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min",
     "pow": "Pow", "gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual",
     "eq": "Equal",
 }  # fmt: skip
@@ -108,6 +108,8 @@ def _limit(e: C.JaxprEqn) -> str | None:
         return "16-bit float values (the exporter writes float32 and 8-bit integers)"
     if any(d.name in ("int4", "uint4") for d in (*dtypes, *outs)):
         return "4-bit integer values (ONNX Runtime's kernels do not take them)"
+    if any(d.kind == "c" for d in (*dtypes, *outs)):
+        return "complex values (ONNX Runtime's kernels do not take them)"
     if name == "select_n" and len(e.invars) != 3:
         return "select_n with more than two cases"
     if name == "round" and int(p["rounding_method"]) != 1:
