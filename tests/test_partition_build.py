@@ -128,6 +128,27 @@ def test_backend_failing_at_run_time_names_the_region(mlp_program):
     assert {w.filename for w in record} == {__file__}
 
 
+def test_a_runner_returning_one_array_is_told_to_return_a_sequence(mlp_program):
+    """It was told it "returned 4 result(s)" (the array's rows)."""
+    P.register_backend("A", lambda region: lambda *args: jnp.zeros((4, 3)))
+    with pytest.raises(P.BackendError, match=r"returned one array .* a sequence"):
+        P.build(mlp_program, jit=False)(X)
+
+
+def test_an_unpartitioned_program_is_built_with_a_warning():
+    """Annotated and merged but not partitioned: its ops ran with XLA, and the codegen was
+    never called, without a word."""
+    P.register_op_support("A", "tanh")
+    annotated = Sequential([P.annotate_target(["A"]), P.merge_compiler_regions()])(
+        jaxq.trace(mlp, X)
+    )
+    with pytest.warns(
+        UserWarning, match=r"compiler_begin annotations for \['A'\].*partition_graph"
+    ):
+        fn = P.build(annotated, backends={"A": "host"})
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+
+
 def test_host_backend_refuses_what_it_cannot_run():
     P.register_op_support("A", "cumsum")
     prog = partitioned(lambda x: jnp.cumsum(x, axis=0), (X,), "A")
@@ -253,6 +274,9 @@ def test_a_numpy_runner_under_jit_gets_told_how_to_run_eagerly(mlp_program):
 
     fn = P.build(mlp_program, backends={"A": eager_codegen})
     np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-5, atol=1e-6)
+    # (jax.jit of the eager function: a raw TracerArrayConversionError from inside build)
+    with pytest.raises(P.BackendError, match=r"runs eagerly .* call it outside jax\.jit"):
+        jax.jit(fn)(X)
 
 
 def test_regions_on_other_backends_differentiate_like_their_jaxpr(mlp_program):

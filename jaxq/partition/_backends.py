@@ -349,8 +349,14 @@ def check_results(
     """A backend's results, checked against the region's declared types: count, shape and kind
     of dtype exactly (never reshaped); ``coerce`` casts a numpy result of the same kind (a
     float64 from host arithmetic) to the declared dtype."""
-    outs = list(outs)
     want = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in avals)
+    if hasattr(outs, "shape"):
+        raise BackendError(
+            f"backend {backend!r} returned one array for region {region!r}, which declares "
+            f"{len(avals)} result(s): {want}; a backend returns a sequence of the region's "
+            "results (a list, also of one)"
+        )
+    outs = list(outs)
     if len(outs) != len(avals):
         raise BackendError(
             f"backend {backend!r} returned {len(outs)} result(s) for region {region!r}, which "

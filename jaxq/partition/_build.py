@@ -55,6 +55,20 @@ def build(
     if fallback not in (None, "xla"):
         raise ValueError(f"build: fallback must be None or 'xla'; got {fallback!r}")
     backends = dict(backends or {})
+    unpartitioned = sorted(
+        {
+            e.params["compiler"]
+            for e in program.jaxpr.jaxpr.eqns
+            if e.primitive.name == "compiler_begin"
+        }
+    )
+    if unpartitioned:
+        warn(
+            f"build: {program.name!r} holds compiler_begin annotations for {unpartitioned} "
+            "that are not regions, so those ops run with XLA: run partition_graph() on it first "
+            "(annotate_target, merge_compiler_regions, partition_graph)",
+            UserWarning,
+        )
     runners: dict[str, Callable[..., Sequence[Any]]] = {}
     for r in regions(program):
         if r.num_outputs == 0:  # (dead code JAX kept, e.g. an unused x[0]: nothing to compute)
@@ -127,7 +141,12 @@ def build(
             outs = run(*flat)
         except jax.errors.TracerArrayConversionError as e:
             if run is flat_run:
-                raise
+                raise BackendError(
+                    f"build: a region's runner turned a traced value into a numpy array: "
+                    f"{program.name!r} runs eagerly (a runner sets jittable = False, or "
+                    "jit=False), so call it outside jax.jit and jax.vmap (jax.grad works), or "
+                    "make the runner traceable (jax.pure_callback)."
+                ) from e
             raise BackendError(
                 f"build: a region's runner turned a traced value into a numpy array while "
                 f"{program.name!r} was compiled with jax.jit: a runner that must run eagerly "
