@@ -227,6 +227,31 @@ def test_placed_program_runs_on_the_requested_devices():
         jax.jit(P.build(prog))(X)  # (JAX's "incompatible devices" error, before)
 
 
+@pytest.mark.xla_cpu
+def test_a_program_without_annotations_runs_on_the_default_device():
+    """plan_devices(default=...) returned a program with no on_device as it was (device 0)."""
+    prog = P.plan_devices(default="cpu:1")(jaxq.trace(mlp, X))
+    out = P.build(prog)(X)
+    assert out.devices() == {jax.devices("cpu")[1]}
+    np.testing.assert_allclose(out, mlp(X), rtol=1e-6)
+    assert P.plan_devices()(program := jaxq.trace(mlp, X)) is program  # (no default: as it is)
+
+
+def test_on_device_inside_a_call_or_loop_is_reported():
+    """Placement is per top-level equation: on_device inside a jit or a scan body was ignored
+    without a word."""
+
+    def in_jit(x):
+        return jax.jit(lambda v: on_device(jnp.sin(v), "cpu:1"))(x)
+
+    def in_scan(x):
+        return jax.lax.scan(lambda c, _: (on_device(jnp.sin(c), "cpu:1"), None), x, length=3)[0]
+
+    for f in (in_jit, in_scan):
+        with pytest.warns(UserWarning, match=r"1 on_device annotation\(s\) inside nested"):
+            P.plan_devices()(jaxq.trace(f, X))
+
+
 def test_on_device_of_an_input_is_a_copy():
     prog = P.plan_devices(default="cpu:0")(jaxq.trace(lambda x: on_device(x, "cpu:3"), X))
     (out,) = jax.tree.leaves(P.build(prog)(X))

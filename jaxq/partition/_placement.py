@@ -13,6 +13,7 @@ import jax
 
 from jaxq import _compat as C
 from jaxq._program import Program
+from jaxq._warnings import warn
 from jaxq.annotate import on_device_p
 from jaxq.annotate._on_device import canonical_device
 from jaxq.transform import Pass, program_pass
@@ -39,6 +40,10 @@ def plan_devices(default: Any = None) -> Pass:
     3. otherwise, going forwards, it runs where its first operand was computed, else on
        ``default`` (the first device when None).
 
+    A program with no ``on_device`` is placed on ``default`` whole; with neither, it is returned
+    as it is. ``on_device`` inside a nested call or loop body places nothing (a warning says so):
+    annotate the call's result.
+
     The equations are then scheduled so that work on one device stays together (a list schedule
     that keeps to the current device while it can), and every run of equations on one device
     becomes a nested ``jit`` call (a *segment*, named ``<function>_<platform>_<index>_<k>``).
@@ -52,8 +57,18 @@ def plan_devices(default: Any = None) -> Pass:
         closed = program.jaxpr
         jaxpr = closed.jaxpr
         eqns = jaxpr.eqns
-        if not any(e.primitive is on_device_p for e in eqns):
-            return program
+        nested = [
+            e.name for e in program.equations() if e.primitive == "on_device" and len(e.path) > 1
+        ]
+        if nested:
+            warn(
+                f"plan_devices: {len(nested)} on_device annotation(s) inside nested calls or "
+                f"loops ({nested[:3]}) place nothing: devices are placed per top-level "
+                "equation. Annotate the call's result (on_device(f(x), d)) instead",
+                UserWarning,
+            )
+        if default is None and not any(e.primitive is on_device_p for e in eqns):
+            return program  # (nothing asks for a device: all stays where JAX puts it)
         home = canonical_device(
             default if default is not None else jax.devices()[0], "plan_devices"
         )
