@@ -195,6 +195,18 @@ class Program:
         """A new Program around a rewritten jaxpr. Value metadata keyed by variables (layouts) refers
         to the old jaxpr, so it is recomputed when the old program had it."""
         new = dataclasses.replace(self, jaxpr=jaxpr, layouts=None, **changes)
+        n_in, n_out = len(jaxpr.in_avals), len(jaxpr.out_avals)
+        if (new.in_tree.num_leaves, len(new.in_paths), new.out_tree.num_leaves) != (
+            n_in,
+            n_in,
+            n_out,
+        ):
+            raise ValueError(
+                f"with_jaxpr: the new jaxpr of {self.name!r} takes {n_in} input(s) and returns "
+                f"{n_out}, where the program's signature has {new.in_tree.num_leaves} and "
+                f"{new.out_tree.num_leaves}: a pass keeps the calling convention, or passes "
+                "the new in_tree, in_paths and out_tree along (with_jaxpr(j, in_tree=...))"
+            )
         if self.layouts is not None and "layouts" not in changes:
             new = dataclasses.replace(new, layouts=layout_map(jaxpr))
         return new

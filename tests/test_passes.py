@@ -224,6 +224,26 @@ def test_well_formed_catches_an_ill_typed_jaxpr():
         breaker(PROG)
 
 
+def test_a_pass_that_changes_the_calling_convention_is_named():
+    """with_jaxpr took a jaxpr of another arity (the Program then failed with pytree or zip
+    errors when called), and WellFormed passed one whose outputs changed shape."""
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    prog = jaxq.trace(lambda x: jnp.sin(x) * 2, x)
+    two_outputs = T.program_pass(
+        lambda p: p.with_jaxpr(jax.make_jaxpr(lambda x: (x, x))(x)), name="two_outputs"
+    )
+    with pytest.raises(ValueError, match=r"takes 1 input\(s\) and returns 2, .* has 1 and 1"):
+        two_outputs(prog)
+    halved = T.program_pass(
+        lambda p: p.with_jaxpr(jax.make_jaxpr(lambda x: x[:2])(x)), name="halved"
+    )
+    with (
+        T.PassContext(instruments=[T.WellFormed()]),
+        pytest.raises(T.PassError, match=r"'halved' changed .* outputs from \['float32\[4\]'\]"),
+    ):
+        halved(prog)
+
+
 def test_strip_annotations_removes_identities_and_honours_keep():
     from jaxq import annotate as A
 

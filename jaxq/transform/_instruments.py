@@ -116,10 +116,22 @@ class NumericCheck:
 
 
 class WellFormed:
-    """Type-check the jaxpr (``check_jaxpr``, nested jaxprs included) after every pass."""
+    """Type-check the jaxpr (``check_jaxpr``, nested jaxprs included) after every pass, and
+    check that it keeps the calling convention (the inputs' and outputs' types, unless the pass
+    changed the pytree structure with them, as realize does for quantized params)."""
 
     def run_after_pass(self, p: Any, before: Program, after: Program) -> None:
         try:
             C.check_jaxpr(after.jaxpr.jaxpr)
         except Exception as e:
             raise PassError(f"pass {p.name!r} produced an ill-formed jaxpr: {e}") from e
+        for side, tree, avals in (
+            ("inputs", "in_tree", "in_avals"),
+            ("outputs", "out_tree", "out_avals"),
+        ):
+            was, now = ([a.str_short() for a in getattr(q.jaxpr, avals)] for q in (before, after))
+            if getattr(before, tree) == getattr(after, tree) and was != now:
+                raise PassError(
+                    f"pass {p.name!r} changed the program's {side} from {was} to {now}: "
+                    "callers pass and read the traced types"
+                )
