@@ -13,12 +13,17 @@ so baked names survive later rewrites unchanged and reach XLA's op metadata.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from jaxq import _compat as C
 
 Path = tuple[Any, ...]
+
+GROUPS = "names.groups"
+"""``program.meta[GROUPS]``: the function names of calls that only group equations (the regions of
+``partition_graph``, the segments of ``plan_devices``). Such a call is named by its function name,
+and the equations inside keep their own names (``Dense_0/add``, not ``.../jit/Dense_0/add``)."""
 
 
 def is_baked(scope: str, primitive: str) -> bool:
@@ -78,23 +83,31 @@ class Namer:
 
 
 def walk_names(
-    jaxpr: C.Jaxpr, prefix: str = "", path: Path = (), namer: Namer | None = None
+    jaxpr: C.Jaxpr,
+    prefix: str = "",
+    path: Path = (),
+    namer: Namer | None = None,
+    groups: Collection[str] = (),
 ) -> Iterator[tuple[Path, str, str, C.JaxprEqn]]:
     """Pre-order ``(path, full name, local name, eqn)`` over ``jaxpr`` and every nested jaxpr.
 
     ``path`` locates the equation: eqn indices interleaved with sub-jaxpr labels such as
-    ``(4, "branches[1]", 0)``. ``local name`` is the name without the parent's prefix.
+    ``(4, "branches[1]", 0)``. ``local name`` is the name without the parent's prefix. Calls
+    named in ``groups`` only group equations (see GROUPS).
     """
     namer = Namer() if namer is None else namer
     for i, eqn in enumerate(jaxpr.eqns):
-        base = local_base(eqn)
+        group = C.call_name(eqn) if groups else None
+        grouping = group is not None and group in groups
+        base = group if grouping and group is not None else local_base(eqn)
         name = namer.unique(f"{prefix}/{base}" if prefix else base)
         local = name[len(prefix) + 1 :] if prefix else name
         yield (*path, i), name, local, eqn
         for label, sub in sub_jaxprs(eqn):
             inner = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
-            yield from walk_names(inner, child_prefix(eqn, name, label), (*path, i, label), namer)
+            within = prefix if grouping else child_prefix(eqn, name, label)
+            yield from walk_names(inner, within, (*path, i, label), namer, groups)
 
 
-def equation_names(jaxpr: C.Jaxpr) -> dict[Path, str]:
-    return {path: name for path, name, _, _ in walk_names(jaxpr)}
+def equation_names(jaxpr: C.Jaxpr, groups: Collection[str] = ()) -> dict[Path, str]:
+    return {path: name for path, name, _, _ in walk_names(jaxpr, groups=groups)}

@@ -157,12 +157,14 @@ class Program:
     @functools.cached_property
     def names(self) -> dict[tuple[Any, ...], str]:
         """Stable name of every equation, keyed by its path (see :meth:`equations`)."""
-        return _names.equation_names(self.jaxpr.jaxpr)
+        return _names.equation_names(self.jaxpr.jaxpr, self.meta.get(_names.GROUPS, ()))
 
     def equations(self) -> Iterator[Equation]:
         """Every equation in program order, nested ones (jit, scan, cond, ...) right after their
         parent."""
-        for path, _, _, eqn in _names.walk_names(self.jaxpr.jaxpr):
+        for path, _, _, eqn in _names.walk_names(
+            self.jaxpr.jaxpr, groups=self.meta.get(_names.GROUPS, ())
+        ):
             yield self.equation_at(path, eqn)
 
     def equation_at(self, path: tuple[Any, ...], eqn: C.JaxprEqn) -> Equation:

@@ -236,6 +236,32 @@ def test_the_whole_pipeline_is_rerunnable():
     assert str(twice.jaxpr) == str(once.jaxpr)
 
 
+def test_equations_keep_their_names_through_regions_and_placement():
+    """A region or device segment only groups equations: Dense_0/add became
+    Dense_0/dot_general/jit/Dense_0/add (the call took its first equation's name)."""
+    support("A", "dot_general", "add", "tanh")
+    w, x = ones(3, 4)[0], ones(2, 3)[0]
+
+    def f(w, x):
+        with jax.named_scope("Dense_0"):
+            h = jnp.tanh(x @ w + 1.0)
+        return jnp.cumsum(h, 1)
+
+    prog = T.name_expressions()(jaxq.trace(f, w, x))
+    before = [e.name for e in prog.equations()]
+    assert before == ["Dense_0/dot_general", "Dense_0/add", "Dense_0/tanh", "jit", "jit/cumsum"]
+    parts = pipeline("A")(prog)
+    assert [e.name for e in parts.equations()] == ["A_f_0", *before]
+    assert parts.equation("Dense_0/add").path == (0, "jaxpr", 1)
+    placed = P.plan_devices(default="cpu:0")(parts)
+    assert [e.name for e in placed.equations()] == ["f_cpu_0_0", "A_f_0", *before]
+    assert [e.name for e in T.name_expressions()(placed).equations()] == [
+        "f_cpu_0_0",
+        "A_f_0",
+        *before,
+    ]
+
+
 def test_region_is_a_named_function_in_stablehlo_and_annotations_are_gone():
     support("A", "sin", "cos")
 

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from jaxq import _compat as C
-from jaxq import _warnings
+from jaxq import _names, _warnings
 from jaxq._program import Program
 from jaxq.annotate import compiler_begin, compiler_end
 from jaxq.partition._regions import (
@@ -38,6 +38,8 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
       them as parameters instead); literals stay literals;
     * a region may have several results (the call returns them all);
     * the compiler_begin / compiler_end annotations are removed;
+    * the equations keep their names (``Dense_0/add``; the region's call is named by its
+      function name), so names found before partitioning still find them;
     * an equation that reads a region's value and also a value computed from that region's
       results is not part of it (it would make a cycle): the value leaves the region and enters
       the reader's, as through compiler_end and compiler_begin. So the gradient of an annotated
@@ -92,7 +94,8 @@ def partition_graph(*, bind_constants: bool = True, function: str | None = None)
             out.append(eqn)
         outvars = [v if C.is_literal(v) else subst.get(v, v) for v in jaxpr.outvars]
         new_closed = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
-        meta = {**program.meta, META_KEY: types.MappingProxyType(known)}
+        groups = tuple(dict.fromkeys((*program.meta.get(_names.GROUPS, ()), *known)))
+        meta = {**program.meta, META_KEY: types.MappingProxyType(known), _names.GROUPS: groups}
         return program.with_jaxpr(new_closed, meta=types.MappingProxyType(meta))
 
     @program_pass(name="partition_graph")

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from jaxq import _compat as C
+from jaxq import _names
 from jaxq._program import Program
 from jaxq._warnings import warn
 from jaxq.annotate import on_device_p
@@ -243,5 +244,6 @@ def _segments(
         a = sub(a)
         outvars.append(a if C.is_literal(a) else outer_of.get(a, a))
     new = C.ClosedJaxpr(jaxpr.replace(eqns=out, outvars=outvars), closed.consts)
-    meta = {**program.meta, META_KEY: types.MappingProxyType(placement)}
+    groups = tuple(dict.fromkeys((*program.meta.get(_names.GROUPS, ()), *placement)))
+    meta = {**program.meta, META_KEY: types.MappingProxyType(placement), _names.GROUPS: groups}
     return program.with_jaxpr(new, meta=types.MappingProxyType(meta))

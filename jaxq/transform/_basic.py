@@ -37,7 +37,9 @@ def name_expressions() -> Pass:
 
     @program_pass(name="name_expressions")
     def run(program: Program) -> Program:
-        local = {path: loc for path, _, loc, _ in _names.walk_names(program.jaxpr.jaxpr)}
+        groups = program.meta.get(_names.GROUPS, ())
+        walk = _names.walk_names(program.jaxpr.jaxpr, groups=groups)
+        local = {path: loc for path, _, loc, _ in walk}
 
         def bake(eqn: C.JaxprEqn, path: tuple, name: str) -> list[C.JaxprEqn]:
             return [C.with_name_stack(eqn, tuple(local[path].split("/")))]
