@@ -53,7 +53,9 @@ class Scheme:
         a Rule for the layers it matches).
       group_size: with ``granularity="group"``, how many consecutive elements along the
         contracted axis share a scale (it must divide that axis); None for the other
-        granularities.
+        granularities. Group scales change along the sum, so realize computes such a layer
+        as simulated, a float op on the dequantized codes (an integer route needs one int32
+        product per group: W4 group(32) A8 at 2048 x 2048 ran at 0.09x float on XLA:CPU).
       narrow_range: drop the lowest code (``[-127, 127]`` for signed 8 bits).
       rounding: ``"nearest_even"``, ``"half_away_from_zero"``, ``"half_up"`` or ``"floor"``.
 
