@@ -67,6 +67,10 @@ def _digest(exported: bytes, tensors: dict[str, np.ndarray], manifest: dict[str,
     return h.hexdigest()
 
 
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def save(
     program: Program,
     path: str | os.PathLike[str],
@@ -84,13 +88,19 @@ def save(
     path = Path(path)
     program = map_equations(program, lambda eqn, *_: [C.without_traceback(eqn)])
     closed = program.jaxpr
-    consts = list(closed.consts)
+    # typed PRNG keys (a Flax NNX model's Rngs state) are stored as their key data
+    key_impls = {i: jax.random.key_impl(c) for i, c in enumerate(closed.consts) if _is_key(c)}
+    consts = [jax.random.key_data(c) if i in key_impls else c for i, c in enumerate(closed.consts)]
     for i, c in enumerate(consts):
         if not hasattr(np.asarray(c), "dtype") or np.asarray(c).dtype == object:
             raise TypeError(f"save: constant {i} is a {type(c).__name__}, which cannot be stored")
 
     def with_consts(const_vals: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = program.flatten_args(args, kwargs)
+        const_vals = [
+            jax.random.wrap_key_data(c, impl=key_impls[i]) if i in key_impls else c
+            for i, c in enumerate(const_vals)
+        ]
         run = C.jaxpr_as_fun(C.ClosedJaxpr(closed.jaxpr, list(const_vals)))
         return jax.tree.unflatten(program.out_tree, run(*flat))
 

@@ -81,6 +81,19 @@ def test_a_file_saved_on_a_gpu_runs_on_a_cpu(tmp_path, monkeypatch):
     np.testing.assert_array_equal(loaded(X, shift=np.float32(0.5))["y"], want)
 
 
+def test_params_holding_a_typed_prng_key_save_and_load(tmp_path):
+    """A Flax NNX model's state holds its Rngs' typed keys: save failed in np.asarray."""
+    x = np.linspace(-1, 1, 48, dtype=np.float32).reshape(3, 16)
+    params = {"w": np.full((16, 4), 0.1, np.float32), "key": jax.random.key(3)}
+
+    def f(p, x):
+        return x @ p["w"] + jax.random.normal(p["key"], (4,))
+
+    qf = jaxq.quantize(f, params, calibration=[(x,)], progress=False)
+    qf.save(tmp_path / "key.jaxq")
+    np.testing.assert_array_equal(jaxq.load(tmp_path / "key.jaxq")(x), qf(x))
+
+
 def test_overwrite_is_atomic_and_leaves_no_temporaries(tmp_path):
     path = tmp_path / "m.jaxq"
     PROG.save(path)
