@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import hypothesis.strategies as st
 import jax
@@ -147,6 +148,8 @@ LOOKUPS = {
     "take_fill": lambda e, i: jnp.take(e, i, axis=0, fill_value=-7.0),
     "take_clip": lambda e, i: jnp.take(e, i, axis=0, mode="clip"),
     "take_axis1": lambda e, i: jnp.take(e.T, i, axis=1),  # a transposed table
+    # per token under vmap (Equinox's Embedding): a gather with a start for every table axis
+    "vmap_index": lambda e, i: jax.vmap(lambda j: e[j])(i.ravel()).reshape(*i.shape, -1),
 }
 
 
@@ -197,15 +200,16 @@ def test_closed_over_tables(bits):
 
 def test_int4_tables_of_every_packing():
     """Packed along the rows (an even vocabulary), along the width, or flat (both odd)."""
-    for shape in ((10, 6), (9, 6), (9, 5)):
+    for shape, name in itertools.product(((10, 6), (9, 6), (9, 5)), ("take", "vmap_index")):
         table = RNG.normal(size=shape).astype(np.float32)
         ids = np.array([[0, 4, 5, -1, shape[0], -shape[0] - 1, shape[0] - 1]], np.int32)
         cfg = QConfig(
             activations=None, rules=(Rule(primitives={"gather"}, weights=Scheme(bits=4)),)
         )
-        f = embed_with(LOOKUPS["take"])
+        f = embed_with(LOOKUPS[name])
         p = {"tok": table}
         r = jaxq.quantize(f, p, config=cfg, example_args=(ids,), progress=False)
+        assert r.report().layers[0].status == "quantized"
         s = jaxq.quantize(f, p, config=cfg, example_args=(ids,), mode="simulate", progress=False)
         np.testing.assert_array_equal(np.asarray(jax.jit(r)(ids)), np.asarray(s(ids)))
         ref = np.asarray(f(as_jnp(p), jnp.asarray(ids)))

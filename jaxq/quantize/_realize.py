@@ -573,10 +573,12 @@ def _gather_codes(visit: Visit, qw: QWeight, idx: jax.Array, k: int) -> jax.Arra
         out_axis = dn.offset_dims[kept.index(axis)]
         return jnp.concatenate(nibbles(b), axis=out_axis)
     half = shape[k] // 2
-    high = idx >= half
-    b = visit.bind(packed, jnp.where(high, idx - half, idx), **_fill(visit, 0))
+    pos = dn.start_index_map.index(k)  # (the row's component of each index vector)
+    high = idx[..., pos] >= half
+    folded = idx.at[..., pos].add(jnp.where(high, -half, 0).astype(idx.dtype))
+    b = visit.bind(packed, folded, **_fill(visit, 0))
     lo, hi = nibbles(b)
-    sel = jnp.expand_dims(high[..., 0], tuple(dn.offset_dims))  # [batch..] -> the output's rank
+    sel = jnp.expand_dims(high, tuple(dn.offset_dims))  # [batch..] -> the output's rank
     return jnp.where(sel, hi, lo)
 
 
@@ -587,7 +589,7 @@ def _gather_rows(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     ``mode="fill"``), the scale gather fills NaN, and any other fill value is put back."""
     idx = invals[1]
     p = visit.params
-    (k,) = p["dimension_numbers"].start_index_map
+    k = site.channel_axis  # (the table axis the gather selects rows along)
     shape = tuple(qw.codes.shape)
     ones = (1,) * len(shape)
     row = tuple(n if d == k else 1 for d, n in enumerate(shape))

@@ -124,9 +124,13 @@ def _gather_geometry(
         )
     dn = visit.params["dimension_numbers"]
     sizes = tuple(visit.params["slice_sizes"])
-    if len(dn.start_index_map) != 1 or tuple(getattr(dn, "operand_batching_dims", ())):
+    # (a start along an axis taken whole is 0, or out of range where the float gather fills
+    # too: vmap of a dynamic_slice, an Equinox Embedding's emb[i], indexes every axis)
+    partial = [d for d in dn.start_index_map if sizes[d] != table.shape[d]]
+    rows = partial or list(dn.start_index_map[:1])
+    if len(rows) != 1 or tuple(getattr(dn, "operand_batching_dims", ())):
         return "the gather does not select rows along one table axis"
-    (k,) = dn.start_index_map
+    (k,) = rows
     if sizes[k] != 1 or any(n != table.shape[d] for d, n in enumerate(sizes) if d != k):
         return "the gather takes partial slices of the table, not whole rows"
     return k, (), ()
