@@ -1092,6 +1092,20 @@ def test_a_python_flag_that_cannot_be_traced_says_to_bind_it():
         qf(X, train=True)
 
 
+def test_a_python_flag_among_the_params_is_named():
+    """An Equinox module passed as params holds its Dropout's flags (p=0.1, inference=True):
+    the error pointed at flat_args[3], not at the leaf or at the fix."""
+
+    def f(p, x):
+        y = model(p["layers"], x)
+        return y if p["inference"] else y * 0.5
+
+    with pytest.raises(
+        Q.QuantizeError, match=r"Python values, not arrays \(\['inference'\]=True\).*eqx\.partition"
+    ):
+        Q(f, {"layers": P, "inference": True}, calibration=BATCHES, progress=False)
+
+
 def test_arguments_f_cannot_trace_are_compared_with_the_calibration_ones():
     """A new shape is traced again through f; where f fails on it, the error names the shapes
     quantize saw and the ones given (before: only the model's own error)."""

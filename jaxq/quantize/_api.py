@@ -723,6 +723,16 @@ def _bind_weights(
     return fun
 
 
+def _python_scalars(params: Any) -> list[str]:
+    """The paths of the params leaves that are Python numbers or bools (a module's flags)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return [
+        f"{jax.tree_util.keystr(path)}={v!r}"
+        for path, v in leaves
+        if isinstance(v, (bool, int, float, complex))
+    ]
+
+
 def _reads_params(program: Program, n: int) -> bool:
     """Whether a program traced as ``f(params, ...)`` reads any of its ``n`` param leaves."""
     jaxpr = program.jaxpr.jaxpr
@@ -910,6 +920,7 @@ def quantize(
         return prepare(trace(fun, *args))
 
     lead: tuple[Any, ...] = ()
+    loose = [] if params is None else _python_scalars(params)
     if params is not None:
         params = jax.device_put(params)  # once: every calibration batch passes them again
         lead = (_specs(params),)
@@ -925,9 +936,17 @@ def quantize(
             if len(example) == 1 and isinstance(example[0], (list, dict))
             else ""
         )
+        flags = (
+            f"\nThe params hold Python values, not arrays ({', '.join(loose[:4])}), which "
+            "quantize traces like every params leaf, so Python control flow on them fails. "
+            "Pass only the arrays as params (Equinox: params, static = eqx.partition(model, "
+            "eqx.is_array), then f(params, x) calls eqx.combine(params, static)(x))"
+            if loose and any(isinstance(x, jax.errors.JAXTypeError) for x in (e, e.__cause__))
+            else ""
+        )
         raise QuantizeError(
             f"quantize: could not trace f with {given}, called as {call} (a batch is a tuple "
-            f"of the arguments{held}{as_one}): {type(e).__name__}: {e}"
+            f"of the arguments{held}{as_one}): {type(e).__name__}: {e}{flags}"
         ) from e
     if params is not None and not _reads_params(program, len(jax.tree.leaves(params))):
         _warnings.warn(
