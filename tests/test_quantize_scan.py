@@ -141,6 +141,10 @@ def test_layers_a_hundred_times_apart_keep_their_own_scales():
     assert row.status == "quantized" and row.in_loop == "scan"
     assert "static" in row.activations and row.layers == 3
     assert len(row.layer_sqnr_db) == 3 and row.sqnr_db == min(row.layer_sqnr_db)
+    # each iteration's calibrated scale (the table's "a scale" column was blank for a stack)
+    second = rows["scan/dot_general_1"]
+    assert second.layer_activation_scale == tuple(float(v) for v in a)
+    assert f"{min(a):.3g}..{max(a):.3g}" in str(qf.report())
 
 
 def test_loop_constants_and_qat_through_a_stack():

@@ -54,6 +54,8 @@ class LayerReport:
         (``['Dense_0']['kernel']``, Equinox ``.blocks[1].fc2.weight``): what a ``Rule``'s
         pattern also matches, and a better name than a layer's equation name where the model's
         names say little (``vmap(eqx.nn.Conv)/conv_general_dilated_3``); else None.
+      layer_activation_scale: for a layer of a stack with static activations, each
+        iteration's calibrated activation scale (``activation_scale`` is then None).
 
     Later columns (e.g. SQNR) go after ``status``.
     """
@@ -73,6 +75,7 @@ class LayerReport:
     layers: int = 0  # > 0: a layer of a scanned stack, with that many iterations
     layer_sqnr_db: tuple[float, ...] | None = None  # per iteration, for a layer of a stack
     param: str | None = None  # the weight's path in the params (params style)
+    layer_activation_scale: tuple[float, ...] | None = None  # per iteration, for a stack's layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +175,8 @@ class Report:
                 else f"{r.weight_scale[0]:.3g}..{r.weight_scale[1]:.3g}"
             )
             a_s = "" if r.activation_scale is None else f"{r.activation_scale:.3g}"
+            if r.layer_activation_scale:  # (a stack's layer: the range over its iterations)
+                a_s = f"{min(r.layer_activation_scale):.3g}..{max(r.layer_activation_scale):.3g}"
             sq = "" if r.sqnr_db is None else f"{r.sqnr_db:.1f}"
             if r.layer_sqnr_db:  # (a stack's layer: the range over its iterations)
                 sq = f"{min(r.layer_sqnr_db):.1f}..{max(r.layer_sqnr_db):.1f}"
@@ -374,7 +379,7 @@ def make_report(
             src = np.asarray(by_site[e.name].scale)
             wscale = (float(np.min(src)), float(np.max(src)))
         acts = None
-        a_scale = a_zp = None
+        a_scale = a_zp = layer_scales = None
         status = "quantized"
         per_layer = None
         if sqnr is not None and site.layers:
@@ -384,6 +389,7 @@ def make_report(
             params = state.act.get(e.name)
             if site.layers and all(k in state.act for k in site.act_keys()):
                 kind = f"static ({site.layers} layers)"
+                layer_scales = tuple(float(state.act[k].scale) for k in site.act_keys())
             elif params is not None:
                 kind = "static"
                 a_scale, a_zp = params.scale, params.zero_point
@@ -409,6 +415,7 @@ def make_report(
                 site.layers,
                 per_layer,
                 paths.get(e.name),
+                layer_scales,
             )
         )
     return Report(
