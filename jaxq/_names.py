@@ -98,14 +98,14 @@ def walk_names(
     namer = Namer() if namer is None else namer
     for i, eqn in enumerate(jaxpr.eqns):
         group = C.call_name(eqn) if groups else None
-        grouping = group is not None and group in groups
-        base = group if grouping and group is not None else local_base(eqn)
+        group = group if group in groups else None
+        base = local_base(eqn) if group is None else group
         name = namer.unique(f"{prefix}/{base}" if prefix else base)
         local = name[len(prefix) + 1 :] if prefix else name
         yield (*path, i), name, local, eqn
         for label, sub in sub_jaxprs(eqn):
             inner = sub.jaxpr if isinstance(sub, C.ClosedJaxpr) else sub
-            within = prefix if grouping else child_prefix(eqn, name, label)
+            within = child_prefix(eqn, name, label) if group is None else prefix
             yield from walk_names(inner, within, (*path, i, label), namer, groups)
 
 
