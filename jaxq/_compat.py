@@ -367,6 +367,16 @@ def make_jaxpr(
     return Jaxpr(constvars, invars, outvars, eqns, frozenset(effects), info)
 
 
+@functools.cache
+def primitive_names() -> frozenset[str]:
+    """The names of JAX's own primitives (``jax.extend.core.primitives``), and of the calls
+    other JAX versions name otherwise (``pjit``, ``remat2``, ``copy_p``)."""
+    from jax.extend.core import primitives
+
+    own = {p.name for p in vars(primitives).values() if isinstance(p, jcore.Primitive)}
+    return frozenset(own | INLINE_CALLS | {"closed_call", "core_call", "copy_p"})
+
+
 def is_tracer(x: Any) -> bool:
     """Whether ``x`` is a tracer (we are inside jit, vmap, grad...): its value is not known."""
     return isinstance(x, jax.core.Tracer)

@@ -15,11 +15,12 @@ Note: rewriting a custom_jvp/custom_vjp call rewrites its primal body, not its d
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxq import _compat as C
-from jaxq import _names
+from jaxq import _names, _warnings
 from jaxq._program import EquationView, Program
 
 Path = tuple[Any, ...]
@@ -245,6 +246,23 @@ def _check_types(visit: Visit, outs: Sequence[Any]) -> None:
             )
 
 
+def misspelled(name: Any, who: str) -> None:
+    """Warn when ``name`` is no primitive of JAX's or jaxq's but close to one (``dot_genral``):
+    a rule or a support entry keyed by it would never match, silently."""
+    from jaxq.annotate import registry  # (the annotations import the walker's package)
+
+    known = C.primitive_names() | {op.name for op in registry()}
+    if not isinstance(name, str) or name in known:
+        return
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+    if close:
+        _warnings.warn(
+            f"{who}: no primitive is named {name!r}; did you mean {close[0]!r}? (for a "
+            "primitive of your own, pass the Primitive object itself)",
+            UserWarning,
+        )
+
+
 def rewrite(
     program: Program, rules: Mapping[Any, Rule], *, recurse: bool = True, scope: str = "rewrite"
 ) -> Program:
@@ -252,8 +270,11 @@ def rewrite(
 
     Equations a rule emits are named under ``<equation>/<scope>/`` (``Dense_0/dot_general/quantize/
     round``), while the equation it re-binds with ``visit.bind`` keeps its own name: after
-    ``name_expressions`` names stay stable through any number of rewrites.
+    ``name_expressions`` names stay stable through any number of rewrites. A rule keyed by a
+    name close to a primitive's (``tanhh``) is warned about.
     """
+    for key in rules:
+        misspelled(key, "rewrite")
     walker = _Walker(rules, program.names, program.layouts or {}, recurse, scope)
     return program.with_jaxpr(walker.retrace(program.jaxpr, ()))
 

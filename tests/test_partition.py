@@ -408,6 +408,19 @@ def test_control_flow_needs_registration_and_full_support():
 # -- bad input ---------------------------------------------------------------------------------------
 
 
+def test_a_misspelled_primitive_is_warned_about():
+    """register_op_support('A', 'dot_genral') and rewrite(p, {'tanhh': ...}) matched nothing,
+    silently; a name of a primitive of one's own, far from JAX's, stays quiet."""
+    with pytest.warns(
+        UserWarning, match=r"no primitive is named 'dot_genral'; did you mean 'dot_general'"
+    ):
+        support("A", "dot_genral")
+    prog = jaxq.trace(jnp.tanh, np.ones(3, np.float32))
+    with pytest.warns(UserWarning, match=r"rewrite: .* 'tanhh'; did you mean 'tanh'"):
+        T.rewrite(prog, {"tanhh": lambda visit, x: x})
+    support("A", "my_fused_kernel")  # (filterwarnings=error: no warning)
+
+
 def test_unknown_compiler_is_a_clear_error():
     with pytest.raises(P.UnknownCompilerError, match="unknown compiler 'nope'"):
         P.annotate_target(["nope"])

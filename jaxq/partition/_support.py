@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxq import _compat as C
 from jaxq._program import Equation
+from jaxq._walk import misspelled
 from jaxq.annotate import is_annotation
 
 Predicate = Callable[[Equation], bool]
@@ -81,6 +82,7 @@ def register_op_support(compiler: str, primitive: Any, predicate: Predicate | No
         )
     if predicate is not None and not callable(predicate):
         raise TypeError(f"register_op_support: predicate must be callable; got {predicate!r}")
+    misspelled(primitive, "register_op_support")
     _TABLE.setdefault(compiler, {})[name] = predicate
     if predicate is None:
         # Used as a decorator: @register_op_support(c, p) def pred(rec): ...
