@@ -548,10 +548,11 @@ def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
     st.integers(-30, 30),  # the next layer's zero point
     st.sampled_from(["pad", "border"]),  # padding with c first (params), or a border term
     st.booleans(),  # a NaN row (realize's, as when the float input held NaN)
+    st.booleans(),  # an inference BatchNorm after the layer, (z - mean) * k + beta
     st.integers(0, 2**16),
 )
 def test_requantizing_convolutions_are_one_qlinearconv_within_one_step(
-    c_in, c_out, k, stride, padding, c, zp, form, nan_row, seed
+    c_in, c_out, k, stride, padding, c, zp, form, nan_row, batch_norm, seed
 ):
     rng = np.random.default_rng(seed)
     x, w = codes(rng, (3, 6, 5, c_in)), codes(rng, (k, k, c_in, c_out))
@@ -559,8 +560,10 @@ def test_requantizing_convolutions_are_one_qlinearconv_within_one_step(
     xf = rng.normal(size=(3, 1, 1, 4)).astype(np.float32)
     xf[1, 0, 0, 1] = np.nan if nan_row else 0.0
     y = rng.uniform(1e-4, 1e-2, size=(1, 1, 1, c_out)).astype(np.float32)
-    s = np.float32(y.max() * rng.uniform(1.0, 30.0))  # (y / s <= 1)
+    gain = rng.uniform(0.5, 2.0, size=c_out).astype(np.float32) if batch_norm else np.ones(1)
+    s = np.float32((y * gain).max() * rng.uniform(1.0, 30.0))  # (y * gain / s <= 1)
     b = rng.normal(size=c_out).astype(np.float32) * 8 * s
+    mean, beta = (rng.normal(size=(2, c_out)) * 4 * s).astype(np.float32)
     dn = ("NHWC", "HWIO", "NHWC")
     conv = functools.partial(
         lax.conv_general_dilated, window_strides=(stride, stride), dimension_numbers=dn,
@@ -582,6 +585,8 @@ def test_requantizing_convolutions_are_one_qlinearconv_within_one_step(
         z = (acc - term).astype(jnp.float32) * y
         z = z + jnp.max(jnp.abs(xf), axis=(1, 2, 3), keepdims=True) * np.float32(0)
         z = z + b
+        if batch_norm:  # (folded into QLinearConv's scales and bias)
+            z = (z - mean) * gain + beta
         q = lax.round(z / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
         q = jnp.clip(q, -128, 127).astype(jnp.int8)
         bad = jnp.any(~jnp.isfinite(z), axis=(1, 2, 3))

@@ -1456,6 +1456,34 @@ class _Exporter:
             raise _NoMatch("a zero point off the uint8 range once shifted")
         return chain, e, float(s), int(zp)
 
+    def channel_affine(self, v: Any, n: int) -> tuple[list[C.JaxprEqn], np.ndarray, np.ndarray]:
+        """The per-channel affine map ``v * gain + shift`` (last axis, ``n`` channels) that
+        equations adding, subtracting and multiplying constants compute from ``v`` (an inference
+        BatchNorm, ``(v - mean) * k + beta``, once its constants are folded): those equations,
+        ``gain`` and ``shift`` (float64; none: ones and zeros)."""
+        g = self.graph
+        out = shaped_aval(v).shape
+        eqns: list[C.JaxprEqn] = []
+        gain, shift = np.ones(n), np.zeros(n)
+        while (e := g.sole_user(v, "add", "sub", "mul")) is not None:
+            i = 0 if e.invars[0] is v else 1
+            c = self.value(e.invars[1 - i])
+            col = None if c is None or c.dtype != np.float32 else _columns(c, out, (len(out) - 1,))
+            if shaped_aval(e.outvars[0]).shape != out or col is None:
+                break
+            col = np.broadcast_to(col.astype(np.float64), (n,))
+            if not np.all(np.isfinite(col)):
+                break
+            if e.primitive.name == "mul":
+                gain, shift = gain * col, shift * col
+            elif e.primitive.name == "add" or i == 0:  # (v + c, v - c)
+                shift = shift + col if e.primitive.name == "add" else shift - col
+            else:  # c - v
+                gain, shift = -gain, col - shift
+            eqns.append(e)
+            v = e.outvars[0]
+        return eqns, gain, shift
+
     def requantized_conv(self, e: C.JaxprEqn) -> list[str]:
         """An int8 convolution whose result realize only rescales and biases to float and
         quantizes to the next layer's int8 codes, ``q(float(conv(x, w) - t) * y + b)``, as one
@@ -1486,6 +1514,9 @@ class _Exporter:
         scale = np.broadcast_to(y.reshape(-1), (n,)).astype(np.float64)
         adds, bias, row = self.biased(mul, y.size)
         last = adds[-1] if adds else mul
+        affine, gain, shift = self.channel_affine(last.outvars[0], n)  # (a BatchNorm)
+        last = affine[-1] if affine else last
+        scale, bias = scale * gain, (0 if bias is None else bias) * gain + shift
         quantize, codes, s, zp = self.requantizing(last.outvars[0])
         # the input: codes, maybe padded with a constant by realize (with the zero point)
         x, fill = e.invars[0], None
@@ -1518,7 +1549,7 @@ class _Exporter:
         have = np.zeros((), np.int64) if term is None else term.astype(np.int64)
         if not np.array_equal(np.broadcast_to(have, want.shape), want):
             raise _NoMatch("a zero-point term that is not the zero point's window sums")
-        b = np.zeros(n) if bias is None else bias.astype(np.float64)
+        b = bias.astype(np.float64)
         qbias = np.round(b / scale)
         steps = np.abs(w_oi).reshape(n, -1).sum(1) * 255
         if (
@@ -1565,7 +1596,7 @@ class _Exporter:
         moved = self.node("Sub", [wide[0], self.const(128, np.int16)])
         codes_i8 = self.node("Cast", moved, to=self.onnx.TensorProto.INT8)[0]
         self.u8[codes_i8] = twin
-        self.done.update({id(q): None for q in [*chain, mul, *adds, *quantize]})
+        self.done.update({id(q): None for q in [*chain, mul, *adds, *affine, *quantize]})
         self.done[id(codes)] = (codes_i8, None)
         if any(u.primitive.name == "is_finite" for u in g.readers[last.outvars[0]]):
             # (read only for its NaN rows: it shares the row's, its float part being bounded)
