@@ -67,7 +67,7 @@ def _digest(exported: bytes, tensors: dict[str, np.ndarray], manifest: dict[str,
     return h.hexdigest()
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
@@ -89,7 +89,7 @@ def save(
     program = map_equations(program, lambda eqn, *_: [C.without_traceback(eqn)])
     closed = program.jaxpr
     # typed PRNG keys (a Flax NNX model's Rngs state) are stored as their key data
-    key_impls = {i: jax.random.key_impl(c) for i, c in enumerate(closed.consts) if _is_key(c)}
+    key_impls = {i: jax.random.key_impl(c) for i, c in enumerate(closed.consts) if is_key(c)}
     consts = [jax.random.key_data(c) if i in key_impls else c for i, c in enumerate(closed.consts)]
     for i, c in enumerate(consts):
         if not hasattr(np.asarray(c), "dtype") or np.asarray(c).dtype == object:
@@ -196,6 +196,10 @@ def _fixed_axes(shape: tuple[int, ...], want: tuple[Any, ...]) -> str:
 class LoadedProgram:
     """A program loaded from disk: call it like the original function (jit-able, fixed shapes).
 
+    ``loaded(x)`` holds the weights; under ``jax.jit`` they would be compiled in as constants
+    (compile time growing with their bytes), so pass them as an argument there, as
+    ``QuantizedFunction`` does: ``jax.jit(loaded.apply)(loaded.params, x)``.
+
     Attributes:
       name: the saved program's name.
     """
@@ -204,7 +208,27 @@ class LoadedProgram:
         self.exported, self.consts, self.manifest = exported, consts, manifest
         self.name: str = manifest["name"]
 
+    @property
+    def params(self) -> dict[str, Any]:
+        """The saved weights (and other constants), by tensor name (``Dense_0/kernel.codes``)."""
+        names = self.manifest.get("const_names") or [
+            f"const_{i:05d}" for i in range(len(self.consts))
+        ]
+        return dict(zip(names, self.consts, strict=True))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.apply(self.params, *args, **kwargs)
+
+    def apply(self, params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Run the program on ``params`` (shaped like :attr:`params`) and the arguments."""
+        names = list(self.params)
+        if not isinstance(params, Mapping) or sorted(params) != sorted(names):
+            raise TypeError(
+                f"{self.name}: apply takes the loaded program's params (a dict of "
+                f"{len(names)} tensors by name: loaded.params) first; got "
+                f"{type(params).__name__}"
+            )
+        consts = [params[n] for n in names]
         (_, want_args, want_kwargs), _ = jax.tree.unflatten(
             self.exported.in_tree, list(self.exported.in_avals)
         )
@@ -259,15 +283,15 @@ class LoadedProgram:
                 "fixed axes to their saved sizes."
             )
         if kwargs:
-            return self.exported.call(self.consts, args, kwargs)
-        return self._call(*args)
+            return self.exported.call(consts, args, kwargs)
+        return self._call(consts, *args)
 
     @functools.cached_property
     def _call(self) -> Callable[..., Any]:
         """The exported call, with a vmap rule: one call per example, in a loop (an exported
         program has no batching rule of its own)."""
         return jax.custom_batching.sequential_vmap(
-            lambda *args: self.exported.call(self.consts, args, {})
+            lambda consts, *args: self.exported.call(consts, args, {})
         )
 
     def as_fun(self) -> Callable[..., Any]:

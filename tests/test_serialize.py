@@ -72,6 +72,23 @@ def test_loaded_model_runs_without_the_model_code(tmp_path):
     np.testing.assert_array_equal(np.load(out_file), want)
 
 
+def test_a_loaded_program_takes_its_weights_as_an_argument_under_jit(tmp_path):
+    """jax.jit(loaded) compiles the weights in as constants (a 1B-parameter model: 30 s, 2 GB
+    more memory); jax.jit(loaded.apply)(loaded.params, x) passes them, as qf.apply does."""
+    w = np.linspace(-1, 1, 64 * 256, dtype=np.float32).reshape(64, 256)
+    x = np.linspace(-1, 1, 3 * 64, dtype=np.float32).reshape(3, 64)
+    qf = jaxq.quantize(lambda p, x: x @ p, w, calibration=[(x,)], progress=False)
+    qf.save(tmp_path / "w.jaxq")
+    loaded = jaxq.load(tmp_path / "w.jaxq")
+    assert [np.asarray(v).dtype for v in loaded.params.values()].count(np.int8) == 1
+    run = jax.jit(loaded.apply)
+    np.testing.assert_array_equal(run(loaded.params, x), loaded(x))
+    hlo = run.lower(loaded.params, x).as_text()
+    assert len(hlo) < w.size  # (the int8 codes' 16384 bytes would be printed in it)
+    with pytest.raises(TypeError, match=r"apply takes the loaded program's params"):
+        loaded.apply(x)
+
+
 def test_a_file_saved_on_a_gpu_runs_on_a_cpu(tmp_path, monkeypatch):
     # (a GPU machine quantizes, a CPU one serves: the file holds both lowerings)
     monkeypatch.setattr(jax.export, "default_export_platform", lambda: "cuda")

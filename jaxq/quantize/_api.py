@@ -574,15 +574,28 @@ class QuantizedFunction:
 def _check_runs(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Export ``program`` (traced with a symbolic batch) and run it one row larger than traced:
     a model whose reshapes pin the batch traces with a symbol, then fails at any other size."""
-    sym = jax.tree.unflatten(program.in_tree, list(program.jaxpr.in_avals))
-    exported = jax.export.export(jax.jit(program.as_fun()))(*sym[0], **sym[1])
+    closed = program.jaxpr
+    big = {
+        i: c
+        for i, c in enumerate(closed.consts)
+        if getattr(c, "size", 0) > 1 and not _serialize.is_key(c)
+    }
+
+    def run(lifted: dict[int, Any], *flat: Any) -> Any:  # (weights as arguments, not constants)
+        consts = [lifted.get(i, c) for i, c in enumerate(closed.consts)]
+        return C.jaxpr_as_fun(C.ClosedJaxpr(closed.jaxpr, consts))(*flat)
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    big_specs = {i: jax.ShapeDtypeStruct(c.shape, c.dtype) for i, c in big.items()}
+    exported = jax.export.export(jax.jit(run))(big_specs, *specs)
     n = _batch_size(args, kwargs)
 
     def zeros(a: Any) -> jax.Array:
         grow = len(a.shape) and a.shape[0] == n
         return jnp.zeros((n + 1, *a.shape[1:]) if grow else a.shape, a.dtype)
 
-    jax.block_until_ready(exported.call(*jax.tree.map(zeros, args), **jax.tree.map(zeros, kwargs)))
+    flat = jax.tree.leaves((jax.tree.map(zeros, args), jax.tree.map(zeros, kwargs)))
+    jax.block_until_ready(exported.call(big, *flat))
 
 
 def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
