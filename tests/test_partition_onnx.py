@@ -117,6 +117,14 @@ def test_registered_onnxruntime_backend_and_export():
     assert [i.name for i in onnx_model.graph.input] == ["in0"]
 
 
+def test_export_onnx_of_a_region_not_called_says_to_call_it():
+    """RegionInfo.program is a method: export_onnx(r.program) failed with "'function' object
+    has no attribute 'jaxpr'"."""
+    (region, *_) = P.regions(partitioned())
+    with pytest.raises(TypeError, match=r"expects a jaxq.Program.*got method \(call it"):
+        P.export_onnx(region.program)
+
+
 def test_unexportable_region_is_named_and_can_fall_back():
     P.register_op_support("A", "cumsum")
     prog = Sequential([P.annotate_target(["A"]), P.partition_graph()])(

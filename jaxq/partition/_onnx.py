@@ -1847,6 +1847,12 @@ def export_onnx(region: Program, *, onnxruntime_ops: bool = True, exact: bool = 
     or one step from it. ``exact=True`` keeps every integer equal to realize's (``ConvInteger``
     arithmetic and realize's own float rescale and rounding; slower).
     """
+    if not isinstance(region, Program):
+        hint = " (call it: region.program())" if callable(region) else ""
+        raise TypeError(
+            f"export_onnx: expects a jaxq.Program, such as a region's, "
+            f"jaxq.partition.regions(p)[i].program(); got {type(region).__name__}{hint}"
+        )
     try:
         import onnx
     except ImportError as e:
