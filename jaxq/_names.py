@@ -109,5 +109,5 @@ def walk_names(
             yield from walk_names(inner, within, (*path, i, label), namer, groups)
 
 
-def equation_names(jaxpr: C.Jaxpr, groups: Collection[str] = ()) -> dict[Path, str]:
-    return {path: name for path, name, _, _ in walk_names(jaxpr, groups=groups)}
+def equation_names(jaxpr: C.Jaxpr) -> dict[Path, str]:
+    return {path: name for path, name, _, _ in walk_names(jaxpr)}

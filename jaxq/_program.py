@@ -157,15 +157,18 @@ class Program:
     @functools.cached_property
     def names(self) -> dict[tuple[Any, ...], str]:
         """Stable name of every equation, keyed by its path (see :meth:`equations`)."""
-        return _names.equation_names(self.jaxpr.jaxpr, self.meta.get(_names.GROUPS, ()))
+        return {path: name for path, name, _, _ in self.walk_names()}
 
     def equations(self) -> Iterator[Equation]:
         """Every equation in program order, nested ones (jit, scan, cond, ...) right after their
         parent."""
-        for path, _, _, eqn in _names.walk_names(
-            self.jaxpr.jaxpr, groups=self.meta.get(_names.GROUPS, ())
-        ):
+        for path, _, _, eqn in self.walk_names():
             yield self.equation_at(path, eqn)
+
+    def walk_names(self) -> Iterator[tuple[tuple[Any, ...], str, str, C.JaxprEqn]]:
+        """``(path, name, local name, eqn)`` of every equation (see ``_names.walk_names``),
+        the calls that only group equations (regions, device segments) named as such."""
+        return _names.walk_names(self.jaxpr.jaxpr, groups=self.meta.get(_names.GROUPS, ()))
 
     def equation_at(self, path: tuple[Any, ...], eqn: C.JaxprEqn) -> Equation:
         """``eqn``, found at ``path`` (see :meth:`equations`), with its name and layouts."""
@@ -187,7 +190,7 @@ class Program:
 
     def __len__(self) -> int:
         """Number of equations, nested ones included."""
-        return sum(1 for _ in _names.walk_names(self.jaxpr.jaxpr))
+        return sum(1 for _ in self.walk_names())
 
     def replace(self, **changes: Any) -> Program:
         """A copy with some fields changed (``dataclasses.replace``)."""
@@ -198,10 +201,8 @@ class Program:
         to the old jaxpr, so it is recomputed when the old program had it."""
         new = dataclasses.replace(self, jaxpr=jaxpr, layouts=None, **changes)
         n_in, n_out = len(jaxpr.in_avals), len(jaxpr.out_avals)
-        if (new.in_tree.num_leaves, len(new.in_paths), new.out_tree.num_leaves) != (
-            n_in,
-            n_in,
-            n_out,
+        if not new.in_tree.num_leaves == len(new.in_paths) == n_in or (
+            new.out_tree.num_leaves != n_out
         ):
             raise ValueError(
                 f"with_jaxpr: the new jaxpr of {self.name!r} takes {n_in} input(s) and returns "

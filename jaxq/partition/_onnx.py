@@ -52,8 +52,8 @@ _UNARY = {
     "floor": "Floor", "ceil": "Ceil",
 }  # fmt: skip
 _BINARY = {
-    "add": "Add", "add_any": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min",
-    "pow": "Pow", "gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual",
+    "add": "Add", "add_any": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max",
+    "min": "Min", "pow": "Pow", "gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual",
     "eq": "Equal",
 }  # fmt: skip
 _OTHER = {

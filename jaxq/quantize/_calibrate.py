@@ -627,8 +627,8 @@ def calibrate(
     bounded: running min/max and a fixed-size histogram per activation, never the activations
     themselves. ``max_batches`` stops after that many batches (an endless iterator is fine).
     ``retrace(*args)`` gives the float program for a batch of other shapes (``jaxq.quantize``
-    passes one; without it every batch must match the program's shapes). A program traced with params (``annotate(...,
-    params_argnum=0)``) takes them in every batch: ``(params, x)``.
+    passes one; without it every batch must match the program's shapes). A program traced with
+    params (``annotate(..., params_argnum=0)``) takes them in every batch: ``(params, x)``.
     """
     if method is not None and method not in CALIBRATIONS:
         raise ValueError(f"calibrate: method must be one of {CALIBRATIONS}; got {method!r}")

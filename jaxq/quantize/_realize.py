@@ -275,10 +275,7 @@ def _dequantized_dot(
     qa, za_s = _quantize_act(invals[1 - wi], scheme, sa, za)
     a_dtype = shaped_aval(visit.eqn.invars[1 - wi]).dtype
     new[1 - wi] = ((qa.astype(jnp.int32) - za_s).astype(jnp.float32) * sa).astype(a_dtype)
-    w = weight_codes(qw).astype(jnp.float32)
-    if _nonzero(qw.zero_point):
-        w = w - qw.zero_point.astype(np.float32)
-    new[wi] = (w * qw.scale).astype(shaped_aval(visit.eqn.invars[wi]).dtype)
+    new[wi] = _dequantized_weight(visit, site, qw)
     return visit.bind(*new)
 
 
@@ -506,24 +503,28 @@ def _int_conv(
     return acc, per_sample(sa) * per_channel(w_scale)
 
 
+def _dequantized_weight(visit: Visit, site: Site, qw: QWeight) -> jax.Array:
+    """``(q - zp) * s`` in the weight operand's dtype, as simulated."""
+    w = weight_codes(qw).astype(jnp.float32)
+    if _nonzero(qw.zero_point):
+        w = w - qw.zero_point.astype(np.float32)
+    return (w * qw.scale).astype(shaped_aval(visit.eqn.invars[site.weight_index]).dtype)
+
+
 def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> jax.Array:
     """A float dot / convolution on the stored codes. Where the output is smaller than the weight
     (matmuls at small batch), a symmetric per-tensor or per-channel scale multiplies the output
     instead, so the weight's only per-call work is one fused unpack-and-convert; otherwise (a
     convolution's kernel is small) the weight is dequantized as simulated."""
     wi = site.weight_index
-    w_dtype = shaped_aval(visit.eqn.invars[wi]).dtype
     new = list(invals)
-    w = weight_codes(qw).astype(jnp.float32)
     symmetric = not _nonzero(qw.zero_point) and site.weights.granularity != "group"
     out_size = shaped_aval(visit.eqn.outvars[0]).size  # (symbolic under a polymorphic export:
     out_smaller = isinstance(out_size, int) and out_size < qw.codes.size  # any size, so large)
     if not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
-        if _nonzero(qw.zero_point):
-            w = w - qw.zero_point.astype(np.float32)
-        new[wi] = (w * qw.scale).astype(w_dtype)  # (q - zp) * s, as simulated
+        new[wi] = _dequantized_weight(visit, site, qw)
         return visit.bind(*new)
-    new[wi] = w.astype(w_dtype)
+    new[wi] = weight_codes(qw).astype(shaped_aval(visit.eqn.invars[wi]).dtype)
     y = visit.bind(*new).astype(jnp.float32)
     scale = qw.scale
     if scale.size == 1:

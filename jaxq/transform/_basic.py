@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from jaxq import _compat as C
-from jaxq import _names
 from jaxq._layouts import layout_map
 from jaxq._program import Program
 from jaxq._walk import map_equations, rewrite
@@ -37,9 +36,7 @@ def name_expressions() -> Pass:
 
     @program_pass(name="name_expressions")
     def run(program: Program) -> Program:
-        groups = program.meta.get(_names.GROUPS, ())
-        walk = _names.walk_names(program.jaxpr.jaxpr, groups=groups)
-        local = {path: loc for path, _, loc, _ in walk}
+        local = {path: loc for path, _, loc, _ in program.walk_names()}
 
         def bake(eqn: C.JaxprEqn, path: tuple, name: str) -> list[C.JaxprEqn]:
             return [C.with_name_stack(eqn, tuple(local[path].split("/")))]
