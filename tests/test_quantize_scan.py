@@ -631,6 +631,53 @@ def test_stacks_without_calibrated_activations(config):
     assert sqnr_db(np.asarray(scanned(False, params, x)[0]), np.asarray(qf(x)[0])) > 25
 
 
+@pytest.mark.parametrize("layers", [3, 4], ids=["packed_per_layer", "packed_across_layers"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        QConfig(weights=Scheme(bits=4, granularity="channel")),
+        QConfig(weights=Scheme(bits=4, granularity="group", group_size=4), activations=None),
+    ],
+    ids=["w4a8", "w4_group"],
+)
+def test_int4_stacks_are_unpacked_one_layer_per_iteration(layers, config):
+    """Int4 codes of a stack stay packed through the loop: each iteration unpacks its own layer
+    (from its slice of the bytes, or from its nibbles of the bytes it shares with layer
+    ``i +- n/2`` when the packing axis is the stack's), with the results of each layer quantized
+    alone."""
+    rng = np.random.default_rng(11)
+    params = make_params(rng, layers)
+    cal = batches(rng, n=2, rows=8)
+    x = cal[0][0]
+    for reverse in (False, True):
+        got = Q(
+            functools.partial(scanned, reverse),
+            params,
+            calibration=cal,
+            config=config,
+            progress=False,
+        )
+        want = Q(
+            functools.partial(unrolled, reverse),
+            per_layer(params),
+            calibration=cal,
+            config=config,
+            progress=False,
+        )
+        assert got.params["stack"]["w1"].codes.shape[0] == (layers // 2 if layers % 2 == 0 else 3)
+        for a, b in zip(jax.tree.leaves(got(x)), jax.tree.leaves(want(x)), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+    # the loop's temporaries hold one layer unpacked, not the stack
+    big = {"w1": rng.normal(size=(8, 256, 256)).astype(np.float32) / 16}
+    step = lambda h, w: (jnp.tanh(h @ w), None)
+    stack = lambda p, h: jax.lax.scan(step, h, p["w1"])[0]
+    h = rng.normal(size=(2, 256)).astype(np.float32)
+    qf = Q(stack, big, calibration=[(h,)], config=config, progress=False)
+    compiled = jax.jit(qf.apply).lower(qf.params, h).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < big["w1"].size  # (int8 codes: 512 KiB)
+
+
 # ---- int8 attention (activation x activation matmuls) -------------------------------------------
 
 

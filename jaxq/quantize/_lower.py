@@ -448,7 +448,7 @@ class Engine:
         out_kv: dict[int, Any] = {}  # body outputs that are int8 KV caches: their dtypes
 
         def body(carry: list[Any], x: Any) -> Any:
-            x_plain, x_leaves, x_iter = x
+            x_plain, x_leaves, x_iter, index = x
             carry = list(carry)
             for c in caches:
                 carry[c] = KVCache(carry[c][0], carry[c][1], init_dtypes[c])
@@ -468,7 +468,7 @@ class Engine:
                         continue
                     ref, value = xs[i], x_leaves[i]
                     if i in views:  # this iteration's slice of a stacked QArray
-                        value = views[i].layer(value)
+                        value = views[i].layer(value, index)
                         plan = self.state.leaves.get(ref.leaf)
                         if value.act_scale is not None and plan is not None and plan.act_site:
                             self.act_inputs[plan.act_site] = (
@@ -488,7 +488,9 @@ class Engine:
             return outs[:n_carry], (outs[n_carry:], sink)
 
         with visit.own_scope():
-            carry, (ys, sink) = lax.scan(body, init, (plain_xs, leaf_xs, per_iter), **loop)
+            carry, (ys, sink) = lax.scan(
+                body, init, (plain_xs, leaf_xs, per_iter, np.arange(length, dtype=np.int32)), **loop
+            )
         carry = [
             KVCache(v[0], v[1], init_dtypes[i]).dequantize() if i in caches else v
             for i, v in enumerate(carry)

@@ -18,9 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxq.quantize._config import Scheme
-from jaxq.quantize._qarray import QArray, pack_int4, packed_shape
+from jaxq.quantize._qarray import QArray, nibbles, pack_axis, pack_int4, packed_shape, unpack_int4
 
 CHAIN = ("convert_element_type", "transpose", "copy", "copy_p")
 """Equations a weight may pass through between its param leaf and its layer."""
@@ -67,14 +68,34 @@ class QView:
     _ARRAYS = ("codes", "scale", "zero_point", "sums", "act_scale", "act_zero_point")
 
     def arrays(self) -> dict[str, Any]:
-        """The view's arrays by field (None where absent): what a scan slices per iteration."""
-        return {k: getattr(self, k) for k in self._ARRAYS}
+        """The view's arrays by field (None where absent): what a scan slices per iteration.
+        Int4 codes stay packed, so the loop holds one layer unpacked at a time, not the stack:
+        packed along another axis, the scan slices the bytes; packed along the stack axis
+        (even layer count), :meth:`layer` reads its layer's bytes from :attr:`packed`."""
+        arrays = {k: getattr(self, k) for k in self._ARRAYS}
+        axis = self._pack_axis()
+        if axis is not None:
+            arrays["codes"] = self.packed if axis > 0 else None
+        return arrays
 
-    def layer(self, arrays: Mapping[str, Any]) -> QView:
-        """The view of one layer of this stacked view, from its :meth:`arrays` sliced along the
-        leading (stack) axis."""
+    def layer(self, arrays: Mapping[str, Any], index: Any) -> QView:
+        """The view of layer ``index`` of this stacked view, from its :meth:`arrays` sliced along
+        the leading (stack) axis."""
         ga = None if self.group_axis is None else self.group_axis - 1
-        return dataclasses.replace(self, **arrays, group_axis=ga, packed=None)
+        codes, axis = arrays["codes"], self._pack_axis()
+        shape = np.shape(self.codes)
+        if axis == 0:  # layer i is in the low nibbles of byte row i (first half), else the high
+            half = shape[0] // 2
+            lo, hi = nibbles(lax.dynamic_index_in_dim(self.packed, index % half, 0, False))
+            codes = jnp.where(index < half, lo, hi)
+        elif axis is not None:
+            codes = unpack_int4(codes, shape[1:])
+        return dataclasses.replace(self, **{**arrays, "codes": codes}, group_axis=ga, packed=None)
+
+    def _pack_axis(self) -> int | None:
+        """The stacked codes' packing axis, or None when they are not packed (or packed flat,
+        which a scan cannot slice: then it slices the unpacked codes)."""
+        return None if self.packed is None else pack_axis(np.shape(self.codes))
 
     def full(self, v: Any) -> Any:
         if v is None or self.group_size is None:
