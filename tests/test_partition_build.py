@@ -97,6 +97,15 @@ def test_unknown_backend_names_region_and_fix(mlp_program):
         P.build(mlp_program, backends={"A": "onnxruntme"})
 
 
+def test_backends_key_that_names_no_region_is_warned(mlp_program):
+    """A misspelled compiler in ``backends`` would otherwise be ignored silently (the region then
+    runs on the backend registered under its own compiler's name)."""
+    P.register_backend("A", P.xla_backend())
+    with pytest.warns(UserWarning, match=r"backends names \['a'\].*compilers are \['A'\].*'A'"):
+        fn = P.build(mlp_program, backends={"a": "host"})
+    np.testing.assert_allclose(fn(X), mlp(X), rtol=1e-6)
+
+
 def test_backend_that_raises_names_the_region_or_falls_back(mlp_program):
     def broken(region):
         raise RuntimeError("no kernel for this")

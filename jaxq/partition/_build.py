@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,6 +68,17 @@ def build(
             f"build: {program.name!r} holds compiler_begin annotations for {unpartitioned} "
             "that are not regions, so those ops run with XLA: run partition_graph() on it first "
             "(annotate_target, merge_compiler_regions, partition_graph)",
+            UserWarning,
+        )
+    compilers = sorted({r.compiler for r in regions(program)})
+    unused = sorted(set(backends) - set(compilers) - set(unpartitioned))
+    if unused and set(compilers) - set(backends):  # (a misspelled compiler: a region left out)
+        folded = {c.lower(): c for c in compilers}
+        near = {k: difflib.get_close_matches(k.lower(), list(folded), n=1) for k in unused}
+        hints = "".join(f" (did you mean {folded[n[0]]!r}?)" for n in near.values() if n)
+        warn(
+            f"build: backends names {unused}, which no region of {program.name!r} is annotated "
+            f"for; its regions' compilers are {compilers}{hints}",
             UserWarning,
         )
     runners: dict[str, Callable[..., Sequence[Any]]] = {}
