@@ -524,8 +524,44 @@ def test_param_shardings_split_qarrays_along_output_channels():
     np.testing.assert_allclose(
         got, np.asarray(jax.jit(qf.apply)(qf.params, X)), rtol=1e-6, atol=1e-6
     )
+    # the shardings pytree is a prefix JAX accepts where it builds trees of its own (jit's
+    # in_shardings / out_shardings fill a QArray with None leaves): same structure, same results
+    kernel = qf.params["dense"][0]["kernel"]
+    empty = jax.tree.unflatten(jax.tree.structure(kernel), [None] * len(jax.tree.leaves(kernel)))
+    assert jax.tree.structure(empty, is_leaf=lambda v: v is None) == jax.tree.structure(kernel)
+    data = NamedSharding(mesh, PartitionSpec("data"))
+    run = jax.jit(qf.apply, in_shardings=(shardings, data))
+    np.testing.assert_array_equal(np.asarray(run(placed, x)), got)
+    moved = jax.jit(lambda p: p, out_shardings=shardings)(qf.params)
+    assert moved["dense"][0]["kernel"].codes.sharding == k0.codes
     with pytest.raises(ValueError, match="mesh has no axis 'tensor'"):
         jaxq.param_shardings(qf.params, mesh, "tensor")
+
+
+def test_int4_codes_packed_along_their_channels_are_replicated():
+    """With every other axis odd, int4 codes are packed along the output channels (byte ``j``
+    holds channels ``j`` and ``j + C/2``): split bytes would not match split scales, and each call
+    would gather the weight, so the QArray is replicated."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    rng = np.random.default_rng(12)
+    params = {
+        "odd": rng.normal(size=(15, 64)).astype(np.float32),
+        "even": rng.normal(size=(64, 32)).astype(np.float32),
+    }
+    cfg = QConfig(weights=Scheme(bits=4, granularity="channel"), activations=None)
+    x = rng.normal(size=(2, 15)).astype(np.float32)
+    mlp = lambda p, x: jnp.tanh(x @ p["odd"]) @ p["even"]
+    qf = Q(mlp, params, example_args=(x,), config=cfg, progress=False)
+    shardings = jaxq.param_shardings(qf.params, mesh, "model")
+    assert shardings["odd"].codes.spec == shardings["odd"].scale.spec == PartitionSpec()
+    assert shardings["even"].codes.spec == PartitionSpec(None, "model")  # packed along rows
+    placed = jax.device_put(qf.params, shardings)
+    got = np.asarray(jax.jit(qf.apply)(placed, x))  # (a sharded float dot: its rounding)
+    np.testing.assert_allclose(got, np.asarray(qf(x)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("wsym", [True, False])

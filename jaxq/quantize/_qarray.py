@@ -59,6 +59,9 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n // 2 if d == axis else n for d, n in enumerate(shape))
 
 
+_ARRAYS = ("codes", "scale", "zero_point", "sums", "act_scale", "act_zero_point")
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class QArray:
     """A quantized array: ``value = scale * (codes - zero_point)`` in the original ``dtype``.
@@ -118,14 +121,9 @@ class QArray:
         group_size: int | None = None,
         layers: int = 0,
     ) -> None:
-        arrays = {
-            "codes": codes,
-            "scale": scale,
-            "zero_point": zero_point,
-            "sums": sums,
-            "act_scale": act_scale,
-            "act_zero_point": act_zero_point,
-        }
+        arrays = dict(
+            zip(_ARRAYS, (codes, scale, zero_point, sums, act_scale, act_zero_point), strict=True)
+        )
         set_ = object.__setattr__  # (immutable: flattening reuses what is computed here)
         for k, v in arrays.items():
             set_(self, k, v)
@@ -137,10 +135,16 @@ class QArray:
         set_(self, "layers", int(layers))
         # flattening runs on every call of a jitted function: children and static metadata are
         # computed once
-        set_(self, "_keyed", tuple((k, v) for k, v in arrays.items() if v is not None))
-        set_(self, "_leaves", tuple(v for _, v in self._keyed))
-        aux = (self.shape, self.dtype.name, self.bits, group_axis, group_size, self.layers)
-        set_(self, "_aux", (*aux, tuple(v is not None for v in arrays.values())))
+        self._structure(tuple(v is not None for v in arrays.values()))
+
+    def _structure(self, present: tuple[bool, ...]) -> None:
+        """Fix which arrays are children (``present``, in field order) and the static metadata."""
+        set_ = object.__setattr__
+        keyed = tuple((k, getattr(self, k)) for k, p in zip(_ARRAYS, present, strict=True) if p)
+        set_(self, "_keyed", keyed)
+        set_(self, "_leaves", tuple(v for _, v in keyed))
+        aux = (self.shape, self.dtype.name, self.bits, self.group_axis, self.group_size)
+        set_(self, "_aux", (*aux, self.layers, present))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -173,7 +177,7 @@ class QArray:
     def tree_unflatten(cls, aux: tuple[Any, ...], children: list[Any]) -> QArray:
         shape, dtype, bits, group_axis, group_size, layers, present = aux
         it = iter(children)
-        return cls(
+        qa = cls(
             *(next(it) if p else None for p in present),
             shape=shape,
             dtype=dtype,
@@ -182,6 +186,9 @@ class QArray:
             group_size=group_size,
             layers=layers,
         )
+        # (children JAX fills with None, e.g. for shardings or layouts: the same structure)
+        qa._structure(present)
+        return qa
 
     # -- values -----------------------------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@
 A per-channel QArray says which axis holds its channels: the one its scale runs along. Codes,
 scale and zero point are split there together, so every device holds the codes and scales of its
 own channels and the integer matmul needs no gather. Everything else (per-tensor QArrays, biases,
-norms) is replicated: those leaves are small.
+norms, int4 codes packed along their channel axis) is replicated: those leaves are small.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxq.quantize._qarray import QArray, is_qarray
+from jaxq.quantize._qarray import QArray, is_qarray, pack_axis
 
 
 def channel_axis(qa: QArray) -> int | None:
@@ -41,8 +41,10 @@ def param_shardings(params: Any, mesh: Mesh, axis: str) -> Any:
         if not isinstance(x, QArray):
             return replicated
         d = channel_axis(x)
+        # (int4 packed along the channel axis: a byte holds channels j and j + C/2, so a split
+        # of the bytes would not match the scales' split)
         packed = x.bits <= 4 and np.shape(x.codes) != x.shape
-        if d is None or x.shape[d] % n or (packed and np.shape(x.codes)[d] % n):
+        if d is None or x.shape[d] % n or (packed and pack_axis(x.shape) in (d, None)):
             return jax.tree.map(lambda _: replicated, x)
         split = lambda v: NamedSharding(
             mesh, PartitionSpec(*[axis if i == d else None for i in range(np.ndim(v))])
