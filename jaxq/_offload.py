@@ -51,12 +51,14 @@ TUNING = {
         s8_pooled_conv_min_channels=1,
         conv_taps_max=0,
         pool_codes=True,
+        weights_in_turn=False,
     ),
 }
 """How realize lowers for a backend's kernels: ONNX Runtime's integer GEMM takes every dot and
 convolution in int8 (XLA:CPU's lowering tricks, f32-carried sums and shifted-slice convolutions,
-only cost it extra elementwise ops), and max pooling on codes lets a convolution requantize
-straight to the next layer's codes (one ``QLinearConv``)."""
+only cost it extra elementwise ops), max pooling on codes lets a convolution requantize
+straight to the next layer's codes (one ``QLinearConv``), and its weights are initializers (no
+scheduling barriers)."""
 
 
 class OffloadWarning(UserWarning):

@@ -69,12 +69,26 @@ from jaxq.transform import Pass, program_pass
 # ---- weight storage -----------------------------------------------------------------------------
 
 
-def weight_codes(qw: QWeight) -> jax.Array:
+def weight_codes(qw: QWeight, after: Any = None) -> jax.Array:
     """The weight codes as an int8 value of the program: a constant (unpacked from one for 4 bits
-    or fewer), or a param's codes (already unpacked)."""
-    if qw.bits <= 4 and _host(qw.codes):
-        return unpack_int4(jnp.asarray(pack_int4(qw.codes)), qw.codes.shape)
-    return jnp.asarray(qw.codes)
+    or fewer), or a param's codes. With ``after`` (an activation), a param's codes are available
+    only once it is (see :func:`_in_turn`), and 4-bit codes are unpacked after that point."""
+    if _host(qw.codes):
+        if qw.bits <= 4:
+            return unpack_int4(jnp.asarray(pack_int4(qw.codes)), qw.codes.shape)
+        return jnp.asarray(qw.codes)
+    if after is None or not current_tuning().weights_in_turn:
+        return qw.codes
+    if qw.packed is not None:
+        return unpack_int4(_in_turn(after, qw.packed), qw.codes.shape)
+    return _in_turn(after, qw.codes)
+
+
+def _in_turn(activation: Any, codes: jax.Array) -> jax.Array:
+    """``codes``, available to XLA only once ``activation`` is. A param's codes depend on params
+    alone, so XLA would otherwise convert every layer's weight up front and hold them all at
+    once: a weight-only model's temporaries were the size of its float weights."""
+    return lax.optimization_barrier((activation, codes))[1]
 
 
 def _nonzero(v: Any) -> bool:
@@ -194,7 +208,7 @@ def _int_dot(
     ai = 1 - wi
     scheme = site.activations
     assert scheme is not None  # realize_handler lowers only sites with activation schemes
-    wq = weight_codes(qw)
+    wq = weight_codes(qw, a.codes if isinstance(a, QTensor) else a)
     a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
     ranks = (len(a_shape), wq.ndim) if wi == 1 else (wq.ndim, len(a_shape))
     a_contract = (lc, rc)[ai]
@@ -275,7 +289,7 @@ def _dequantized_dot(
     qa, za_s = _quantize_act(invals[1 - wi], scheme, sa, za)
     a_dtype = shaped_aval(visit.eqn.invars[1 - wi]).dtype
     new[1 - wi] = ((qa.astype(jnp.int32) - za_s).astype(jnp.float32) * sa).astype(a_dtype)
-    new[wi] = _dequantized_weight(visit, site, qw)
+    new[wi] = _dequantized_weight(visit, site, qw, new[1 - wi])
     return visit.bind(*new)
 
 
@@ -393,7 +407,7 @@ def _int_conv(
     dn = p["dimension_numbers"]
     scheme = site.activations
     assert scheme is not None  # realize_handler lowers only sites with activation schemes
-    wq = weight_codes(qw)
+    wq = weight_codes(qw, a.codes if isinstance(a, QTensor) else a)
     padding, lhs_dil = p["padding"], p["lhs_dilation"]
     zp_a = not (scheme.symmetric and scheme.signed)
     # Padded (and dilation-inserted) positions hold code 0, not the zero point, so the zero-point
@@ -503,9 +517,10 @@ def _int_conv(
     return acc, per_sample(sa) * per_channel(w_scale)
 
 
-def _dequantized_weight(visit: Visit, site: Site, qw: QWeight) -> jax.Array:
-    """``(q - zp) * s`` in the weight operand's dtype, as simulated."""
-    w = weight_codes(qw).astype(jnp.float32)
+def _dequantized_weight(visit: Visit, site: Site, qw: QWeight, activation: Any) -> jax.Array:
+    """``(q - zp) * s`` in the weight operand's dtype, as simulated, once ``activation`` is
+    computed (see :func:`_in_turn`)."""
+    w = weight_codes(qw, activation).astype(jnp.float32)
     if _nonzero(qw.zero_point):
         w = w - qw.zero_point.astype(np.float32)
     return (w * qw.scale).astype(shaped_aval(visit.eqn.invars[site.weight_index]).dtype)
@@ -522,9 +537,9 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     out_size = shaped_aval(visit.eqn.outvars[0]).size  # (symbolic under a polymorphic export:
     out_smaller = isinstance(out_size, int) and out_size < qw.codes.size  # any size, so large)
     if not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
-        new[wi] = _dequantized_weight(visit, site, qw)
+        new[wi] = _dequantized_weight(visit, site, qw, invals[1 - wi])
         return visit.bind(*new)
-    new[wi] = weight_codes(qw).astype(shaped_aval(visit.eqn.invars[wi]).dtype)
+    new[wi] = weight_codes(qw, invals[1 - wi]).astype(shaped_aval(visit.eqn.invars[wi]).dtype)
     y = visit.bind(*new).astype(jnp.float32)
     scale = qw.scale
     if scale.size == 1:

@@ -51,6 +51,12 @@ class Tuning:
     operands to s32, which cuDNN does not convolve: the program fails to compile), so there every
     convolution carries its exact integer sums in f32, in input-channel chunks whose sums stay
     below 2**24, added in int32."""
+    weights_in_turn: bool = True
+    """Each layer converts (or unpacks) its weight param only once the activation it multiplies
+    is computed (an ``optimization_barrier``): XLA:CPU on jax 0.12 otherwise converts every
+    layer's weight first and holds them all (weight-only W8, eight 1024 x 1024 layers at batch
+    1: 32 MiB of temporaries and 0.16x float's speed, against 4 MiB and 0.93x). jax 0.10.2's XLA
+    drops the barrier, so it changes nothing there."""
     s8_dot: bool = True
     """The platform's int8 x int8 -> int32 dot gives exact sums. XLA:GPU's did not for some
     shapes (jax 0.11.2 on an H200: a contraction of 3 run by cuBLAS, an 18 x 16 x 8 dot fused
