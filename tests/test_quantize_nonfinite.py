@@ -224,3 +224,26 @@ def test_a_nan_in_a_wide_row_is_nan_too(mode, model):
     got = np.asarray(jax.jit(qf)(bad))
     assert np.isnan(got[1]).all()
     assert np.isfinite(np.delete(got, 1, axis=0)).all()
+
+
+def test_asymmetric_ranges_wider_than_float32_get_finite_scales():
+    """``hi - lo`` of a finite range can overflow (``[-2e38, 2e38]``); its scale took 1.0 as a
+    non-finite range would, clipping every value, where the symmetric scheme was fine."""
+    x = np.array([[2e38, -2e38, 1e38, -1e38], [-1.5e38, 1.5e38, 5e37, 3e37]], np.float32)
+    w = (RNG.normal(size=(4, 3)) * 1e-3).astype(np.float32)
+    dense = lambda p, x: x @ p["w"]
+    want = dense({"w": w}, x)
+    config = QConfig(activations=Scheme(symmetric=False))
+    qf = Q(dense, {"w": w}, calibration=[(x,)], config=config, progress=False)
+    assert float(qf.params["w"].act_scale) > 1e36
+    assert np.abs(np.asarray(qf(x)) - want).max() < 0.02 * np.abs(want).max()
+    wide = np.array([[3e38, -3e38], [1e38, 2e38]], np.float32)
+    config = QConfig(weights=Scheme(symmetric=False, granularity="channel"), activations=None)
+    qw = Q(
+        dense,
+        {"w": wide},
+        example_args=(np.ones((1, 2), np.float32),),
+        config=config,
+        progress=False,
+    )
+    np.testing.assert_allclose(np.asarray(qw.params["w"].dequantize()), wide, rtol=0.01)

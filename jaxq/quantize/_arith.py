@@ -45,7 +45,9 @@ def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.A
         else:
             scale = hi * reciprocal(qmax)
     else:
-        scale = (hi - lo) * reciprocal(qmax - qmin)
+        r = reciprocal(qmax - qmin)
+        # (a span beyond float32's largest, e.g. [-2e38, 2e38]: each end scaled first)
+        scale = jnp.where(jnp.isfinite(hi - lo), (hi - lo) * r, hi * r - lo * r)
     # (a range so small that its scale is subnormal, which XLA:CPU flushes to 0, takes the least
     # normal scale: its codes are coarser, not all 0; an empty range or a non-finite one takes 1)
     live = (hi > lo) & jnp.isfinite(scale)
