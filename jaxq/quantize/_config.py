@@ -309,8 +309,9 @@ class QConfig:
         is the int32 product times both scales. A ``Rule(skip=True)`` keeps a matching layer in
         float.
       nan_rows: True: a row of a quantized matmul (a sample of a convolution) whose activations
-        hold NaN or Inf comes out NaN, as in the float model, since codes cannot hold them (one
-        reduction per layer input and one add per output, in both modes). False drops that
+        hold NaN or Inf comes out NaN, since codes cannot hold them (where float may give a
+        finite value, e.g. ``tanh(inf)``, the row is NaN still; one reduction per layer input
+        and one add per output, in both modes). False drops that
         check, for activations known to be finite: such a row's outputs are then unspecified
         (finite and wrong, mostly, as in ONNX Runtime's and TFLite's int8 kernels). The check
         is about 10% of MiniLM's time offloaded to ONNX Runtime.
