@@ -85,6 +85,11 @@ def test_layers_name_their_weights_param_path():
     closed = jaxq.quantize(lambda x: f(params, x), calibration=[(x,) for x in X], progress=False)
     assert all(r.param is None for r in closed.report().layers)
     assert "param" not in str(closed.report()).splitlines()[1].split()
+    # a layer a rule keeps float names its weight too (what the rule's pattern matched)
+    skip = jaxq.QConfig(rules=(jaxq.Rule(pattern=r"\['dec'\]", skip=True),))
+    qs = jaxq.quantize(f, params, calibration=[(x,) for x in X], config=skip, progress=False)
+    rows = [(r.param, r.status) for r in qs.report().layers]
+    assert rows == [("['enc']['w']", "quantized"), ("['dec'][0]", "skipped by rules[0]")]
 
 
 def test_report_as_json_and_png(qf, tmp_path):

@@ -84,6 +84,7 @@ def annotate_program(
         leaves=engine.leaves,
         site_leaves=engine.site_leaves,
         float_leaves=frozenset(engine.float_leaves),
+        float_reads={k: tuple(v) for k, v in engine.float_reads.items()},
         act_act=dict(engine.act_act),
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,

@@ -224,6 +224,12 @@ def _clipped_of(clipped: dict[str, float] | None, name: str) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def _float_param(state: Any, name: str) -> str | None:
+    """The path of the one param a layer left float reads as its weight, if it reads one."""
+    leaves = state.float_reads.get(name, ())
+    return state.params.paths[leaves[0]] if len(leaves) == 1 and state.params else None
+
+
 def param_bytes(program: Program, params: Any = None) -> int:
     """Bytes of the program's constants plus those of ``params`` (QArrays count what they store)."""
     consts = sum(np.asarray(c).nbytes for c in program.jaxpr.consts if hasattr(c, "shape"))
@@ -367,6 +373,7 @@ def make_report(
                         why,
                         rule=None if by is None else int(by.group(1)),
                         in_loop=loops.get(e.name),
+                        param=_float_param(state, e.name),
                     )
                 )
             continue

@@ -160,6 +160,8 @@ class QState:
     site_leaves: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """The param leaf of every site whose weight is one (several sites may share a leaf: a
     tied embedding table and output projection)."""
+    float_reads: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """The param leaves each layer left float reads (by flat index)."""
     act_act: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Matmuls of two activations run in int8 (``QConfig.attention``): name -> scheme."""
     float_leaves: frozenset[int] = frozenset()
