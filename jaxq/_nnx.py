@@ -25,9 +25,38 @@ Path = tuple[Any, ...]
 class _Active:
     """The paths of one module graph (by object id) and the modules being called, innermost last."""
 
-    def __init__(self, paths: dict[int, Path]) -> None:
+    def __init__(self, paths: dict[int, Path], types: dict[type, list[tuple[Path, Any]]]) -> None:
         self.paths = paths
+        self.types = types  # the modules of each class in the graph, with their paths
         self.calls: list[Path] = []
+        self.adopted: list[Any] = []  # (kept alive: their ids stay theirs)
+
+    def path(self, module: Any) -> Path | None:
+        """``module``'s path; for a module not in the graph, the path of the one module of its
+        class that is (of those, the one whose params have the same shapes): NNX transforms
+        (``nnx.scan`` over a stack of layers, ``nnx.vmap``, ``nnx.remat``) call a copy of the
+        module they were given, which then takes its path, its submodules theirs below it."""
+        path = self.paths.get(id(module))
+        same = self.types.get(type(module), [])
+        if path is not None or not same:
+            return path
+        if len(same) > 1:
+            same = [(p, m) for p, m in same if _shapes(m) == _shapes(module)]
+            if len(same) != 1:
+                return None
+        from flax import nnx
+
+        for sub, m in nnx.iter_modules(module):
+            self.paths.setdefault(id(m), same[0][0] + tuple(sub))
+        self.adopted.append(module)
+        return same[0][0]
+
+
+def _shapes(module: Any) -> Any:
+    from flax import nnx
+
+    state = nnx.state(module, nnx.Param)
+    return jax.tree.structure(state), [jax.numpy.shape(v) for v in jax.tree.leaves(state)]
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
@@ -45,7 +74,7 @@ def _scoped(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         active = _ACTIVE.get()
-        path = None if active is None else active.paths.get(id(self))
+        path = None if active is None else active.path(self)
         # a module outside the graph, or a subclass's __call__ calling its base's: no new scope
         if active is None or path is None or (active.calls and active.calls[-1] == path):
             return call(self, *args, **kwargs)
@@ -86,10 +115,11 @@ def module_scopes(module: Any) -> Iterator[None]:
             f"jaxq.module_scopes: expected a flax.nnx.Module; got {type(module).__name__}"
         )
     paths: dict[int, Path] = {}
-    classes: dict[type, None] = {}  # in graph order, for a deterministic patch / restore order
-    for path, m in nnx.iter_modules(module):
-        paths.setdefault(id(m), tuple(path))
-        classes.setdefault(type(m))
+    classes: dict[type, list[tuple[Path, Any]]] = {}  # in graph order (a deterministic patch
+    for path, m in nnx.iter_modules(module):  # and restore order)
+        if id(m) not in paths:
+            paths[id(m)] = tuple(path)
+            classes.setdefault(type(m), []).append((tuple(path), m))
     patched: list[tuple[type, bool, Callable[..., Any]]] = []
     for cls in classes:
         call = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
@@ -98,7 +128,7 @@ def module_scopes(module: Any) -> Iterator[None]:
         patched.append((cls, "__call__" in cls.__dict__, call))
         # setattr: mypy rejects assigning to a method
         setattr(cls, "__call__", _scoped(call))  # noqa: B010
-    token = _ACTIVE.set(_Active(paths))
+    token = _ACTIVE.set(_Active(paths, classes))
     try:
         yield
     finally:

@@ -92,3 +92,37 @@ def test_the_split_form_with_params_is_named_like_the_module():
     assert nnx.merge is merge  # (restored, and the classes too)
     assert {cls: cls.__dict__.get("__call__") for cls in calls} == calls
     np.testing.assert_allclose(np.asarray(qf(X)), np.asarray(model(X)), rtol=0.1, atol=0.05)
+
+
+class Stack(nnx.Module):
+    """Three blocks stacked by ``nnx.vmap`` and run by ``nnx.scan``; a head under ``nnx.remat``."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.blocks = make(rngs)
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        x = body(self.dense(x), self.blocks)
+        return nnx.remat(lambda m, x: m(x))(self.head, x)
+
+
+def test_modules_called_inside_nnx_transforms_keep_their_paths():
+    """``nnx.scan`` / ``nnx.remat`` call copies of the modules they are given: each copy takes
+    the path of its original (named ``Stack/scan/dot_general_1`` before)."""
+    graphdef, state = nnx.split(Stack(nnx.Rngs(0)))
+    f = lambda s, x: nnx.merge(graphdef, s)(x)
+    names = [
+        r.name for r in jaxq.quantize(f, state, calibration=[(X,)], progress=False).report().layers
+    ]
+    assert names[0] == "Stack/dense/dot_general"
+    assert "blocks/inner/dot_general" in names[1] and "head/dot_general" in names[2]
