@@ -538,6 +538,28 @@ def test_param_shardings_split_qarrays_along_output_channels():
         jaxq.param_shardings(qf.params, mesh, "tensor")
 
 
+def test_quantized_apply_runs_inside_shard_map_without_vma_checks():
+    """Data parallelism by ``shard_map`` (params replicated), as ``param_shardings`` documents."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    from jax.sharding import Mesh, PartitionSpec
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    qf = realized()
+    x = X[:4]
+    run = shard_map(
+        qf.apply,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec("data")),
+        out_specs=PartitionSpec("data"),
+        check_vma=False,
+    )
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(qf.params, x)), np.asarray(qf(x)), rtol=1e-6)
+
+
 def test_int4_codes_packed_along_their_channels_are_replicated():
     """With every other axis odd, int4 codes are packed along the output channels (byte ``j``
     holds channels ``j`` and ``j + C/2``): split bytes would not match split scales, and each call

@@ -31,7 +31,12 @@ def param_shardings(params: Any, mesh: Mesh, axis: str) -> Any:
     """A pytree of ``NamedSharding`` matching ``params`` (QArrays expanded to their arrays), for
     ``jax.device_put(params, param_shardings(params, mesh, axis))``: every per-channel QArray
     split along its channel axis over mesh axis ``axis`` where the channels divide evenly,
-    everything else replicated."""
+    everything else replicated.
+
+    ``jax.jit`` of ``qf.apply`` on params placed so needs no ``shard_map``. Inside one, pass
+    ``check_vma=False``: ``qf.apply`` re-binds a traced program, whose equations do not mark
+    replicated values as varying the way ``jax.numpy`` does when a function is traced there.
+    """
     if axis not in mesh.axis_names:
         raise ValueError(f"param_shardings: mesh has no axis {axis!r}; axes: {mesh.axis_names}")
     n = mesh.shape[axis]
