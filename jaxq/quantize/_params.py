@@ -21,7 +21,15 @@ import numpy as np
 from jax import lax
 
 from jaxq.quantize._config import Scheme
-from jaxq.quantize._qarray import QArray, nibbles, pack_axis, pack_int4, packed_shape, unpack_int4
+from jaxq.quantize._qarray import (
+    FIELDS,
+    QArray,
+    nibbles,
+    pack_axis,
+    pack_int4,
+    packed_shape,
+    unpack_int4,
+)
 
 CHAIN = ("convert_element_type", "transpose", "copy", "copy_p")
 """Equations a weight may pass through between its param leaf and its layer."""
@@ -65,14 +73,12 @@ class QView:
             qa.act_zero_point,
         )
 
-    _ARRAYS = ("codes", "scale", "zero_point", "sums", "act_scale", "act_zero_point")
-
     def arrays(self) -> dict[str, Any]:
         """The view's arrays by field (None where absent): what a scan slices per iteration.
         Int4 codes stay packed, so the loop holds one layer unpacked at a time, not the stack:
         packed along another axis, the scan slices the bytes; packed along the stack axis
         (even layer count), :meth:`layer` reads its layer's bytes from :attr:`packed`."""
-        arrays = {k: getattr(self, k) for k in self._ARRAYS}
+        arrays = {k: getattr(self, k) for k in FIELDS}
         axis = self._pack_axis()
         if axis is not None:
             arrays["codes"] = self.packed if axis > 0 else None

@@ -59,7 +59,8 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n // 2 if d == axis else n for d, n in enumerate(shape))
 
 
-_ARRAYS = ("codes", "scale", "zero_point", "sums", "act_scale", "act_zero_point")
+FIELDS = ("codes", "scale", "zero_point", "sums", "act_scale", "act_zero_point")
+"""A QArray's arrays, in the order of its children."""
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -122,7 +123,7 @@ class QArray:
         layers: int = 0,
     ) -> None:
         arrays = dict(
-            zip(_ARRAYS, (codes, scale, zero_point, sums, act_scale, act_zero_point), strict=True)
+            zip(FIELDS, (codes, scale, zero_point, sums, act_scale, act_zero_point), strict=True)
         )
         set_ = object.__setattr__  # (immutable: flattening reuses what is computed here)
         for k, v in arrays.items():
@@ -140,7 +141,7 @@ class QArray:
     def _structure(self, present: tuple[bool, ...]) -> None:
         """Fix which arrays are children (``present``, in field order) and the static metadata."""
         set_ = object.__setattr__
-        keyed = tuple((k, getattr(self, k)) for k, p in zip(_ARRAYS, present, strict=True) if p)
+        keyed = tuple((k, getattr(self, k)) for k, p in zip(FIELDS, present, strict=True) if p)
         set_(self, "_keyed", keyed)
         set_(self, "_leaves", tuple(v for _, v in keyed))
         aux = (self.shape, self.dtype.name, self.bits, self.group_axis, self.group_size)
@@ -186,8 +187,8 @@ class QArray:
             group_size=group_size,
             layers=layers,
         )
-        # (children JAX fills with None, e.g. for shardings or layouts: the same structure)
-        qa._structure(present)
+        if qa._aux[-1] != present:  # (children JAX filled with None, e.g. for shardings or
+            qa._structure(present)  # layouts: the same structure)
         return qa
 
     # -- values -----------------------------------------------------------------------------------
