@@ -1186,6 +1186,11 @@ def test_a_qarray_whose_scales_were_cast_is_named():
     for run in (qf.apply, jax.jit(qf.apply)):
         with pytest.raises(QuantizeError, match=r"params\['dense'\]\[0\]\['kernel'\] is a QArray "):
             run(p16, X)
+    # its codes too (int16 codes: the error said to trace a Program again for new shapes)
+    wide = lambda a: a.astype(jnp.int16) if a.dtype == jnp.int8 else a
+    c16 = jax.tree.map(lambda a: jax.tree.map(wide, a) if isq(a) else a, qf.params, is_leaf=isq)
+    with pytest.raises(QuantizeError, match=r"\['kernel'\] is a QArray whose codes is int16"):
+        qf.apply(c16, X)
 
 
 def test_a_float_layer_reading_a_quantized_param_is_named():

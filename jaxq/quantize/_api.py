@@ -59,13 +59,14 @@ MODES = ("realize", "simulate")
 
 
 _QARRAY_DTYPES = {
+    "codes": "int8",
     "scale": "float32",
     "zero_point": "int32",
     "sums": "int32",
     "act_scale": "float32",
     "act_zero_point": "int32",
 }
-"""The dtypes of a QArray's arrays besides its codes (what realize computes with)."""
+"""The dtypes of a QArray's arrays (what realize computes with)."""
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
