@@ -230,6 +230,16 @@ def test_what_onnx_runtime_is_claimed_for_runs_as_xla_does(f, args):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))
 
 
+def test_a_split_runs_in_onnx_runtime():
+    """``jnp.split`` (query / key / value, gates) is one ``Split``: it broke regions before."""
+    pytest.importorskip("onnxruntime")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    f = lambda x: jnp.concatenate(jnp.split(x + 1, [1], axis=1)[::-1], axis=1) * 2
+    parts, got = run_claimed("onnxruntime", f, x)
+    assert [r.primitives for r in P.regions(parts)] == [("add", "split", "concatenate", "mul")]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
+
+
 @pytest.mark.xla_cpu
 def test_a_clipped_cast_to_int8_feeding_an_int8_dot_truncates_as_xla():
     """A float clipped into int8's range and cast (not rounded first) feeds an int8 dot: the

@@ -61,7 +61,7 @@ _OTHER = {
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square", "round", "clamp", "conv_general_dilated",
     "reduce_window_max", "reduce_window_sum", "pad", "is_finite", "not", "and", "or", "reduce_or",
-    "reduce_and", "concatenate", "stack", "slice", "ne", "erfc", "copy", "copy_p",
+    "reduce_and", "concatenate", "stack", "slice", "split", "ne", "erfc", "copy", "copy_p",
     "stop_gradient",
 }  # fmt: skip
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -110,6 +110,8 @@ def _limit(e: C.JaxprEqn) -> str | None:
         return "4-bit integer values (ONNX Runtime's kernels do not take them)"
     if any(d.kind == "c" for d in (*dtypes, *outs)):
         return "complex values (ONNX Runtime's kernels do not take them)"
+    if name == "split" and 0 in p["sizes"]:
+        return "a split with an empty piece"
     if name == "select_n" and len(e.invars) != 3:
         return "select_n with more than two cases"
     if name == "round" and int(p["rounding_method"]) != 1:
@@ -694,6 +696,9 @@ class _Exporter:
             axis = int(p["axis"]) % len(out_aval.shape)
             unit = [1 if d == axis else n for d, n in enumerate(out_aval.shape)]
             return self.node("Concat", [self.reshape(i, unit) for i in ins], axis=axis)
+        if name == "split":  # (jnp.split: query / key / value, gates)
+            sizes = self.const(list(p["sizes"]), np.int64)
+            return self.node("Split", [ins[0], sizes], n_out=len(p["sizes"]), axis=int(p["axis"]))
         if name == "slice":
             n = len(p["start_indices"])
             steps = p["strides"] or (1,) * n
