@@ -70,7 +70,8 @@ def build(
             "(annotate_target, merge_compiler_regions, partition_graph)",
             UserWarning,
         )
-    compilers = sorted({r.compiler for r in regions(program)})
+    found = regions(program)
+    compilers = sorted({r.compiler for r in found})
     unused = sorted(set(backends) - set(compilers) - set(unpartitioned))
     if unused and set(compilers) - set(backends):  # (a misspelled compiler: a region left out)
         folded = {c.lower(): c for c in compilers}
@@ -82,7 +83,7 @@ def build(
             UserWarning,
         )
     runners: dict[str, Callable[..., Sequence[Any]]] = {}
-    for r in regions(program):
+    for r in found:
         if r.num_outputs == 0:  # (dead code JAX kept, e.g. an unused x[0]: nothing to compute)
             runners[r.name] = lambda *args: []
             continue
