@@ -306,3 +306,84 @@ def _orders_by_barrier() -> bool:
     ws = [jnp.zeros((256, 256), jnp.int8)] * 4
     compiled = jax.jit(f).lower(ws, jnp.zeros((1, 256))).compile()
     return compiled.memory_analysis().temp_size_in_bytes < 2 * 256 * 256 * 4
+
+
+# ---- weights with several matrices along a dot's batch axes (MoE experts, vmap) ----------------
+
+E, D, F, T = 3, 8, 16, 6
+
+
+def expert_params(seed=0):
+    rng = np.random.default_rng(seed)
+    mags = np.array([0.01, 1.0, 30.0], np.float32)[:, None, None]  # experts far apart in range
+    return {
+        "w1": jnp.asarray(rng.normal(size=(E, D, F)) * 0.3, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(E, F, D)) * mags, jnp.float32),
+    }
+
+
+def moe_rhs(p, x):
+    h = jnp.tanh(jnp.einsum("etd,edf->etf", x, p["w1"]))
+    return jnp.einsum("etf,efd->etd", h, p["w2"])
+
+
+def moe_lhs(p, x):  # the weights on the left: outputs [experts, features, tokens]
+    h = jnp.tanh(jnp.einsum("edf,etd->eft", p["w1"], x))
+    return jnp.einsum("efd,eft->edt", p["w2"], h).transpose(0, 2, 1)
+
+
+def moe_vmap(p, x):  # an ensemble: one MLP per leading index, vmapped
+    return jax.vmap(lambda q, v: jnp.tanh(v @ q["w1"]) @ q["w2"])(p, x)
+
+
+def moe_middle(p, x):  # the experts axis in the middle of the stored weight
+    w2 = jnp.transpose(p["w2"], (1, 0, 2))  # [F, E, D]
+    h = jnp.tanh(jnp.einsum("etd,edf->etf", x, p["w1"]))
+    return jnp.einsum("etf,fed->etd", h, w2)
+
+
+@pytest.mark.parametrize("f", [moe_rhs, moe_lhs, moe_vmap, moe_middle])
+@pytest.mark.parametrize(
+    "mode, config",
+    [
+        ("realize", QConfig()),
+        ("realize", QConfig(activations=None)),
+        ("simulate", QConfig()),
+    ],
+)
+def test_each_matrix_of_a_batched_weight_gets_its_own_scales(f, mode, config):
+    # one scale per channel shared by the experts quantized the small expert's weights to 0
+    # (every output of expert 0 was 0: relative error 1.0)
+    params = expert_params()
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(E, T, D)), jnp.float32)
+    qf = jaxq.quantize(f, params, calibration=[(x,)], config=config, mode=mode)
+    ref, y = f(params, x), jax.jit(qf.apply)(qf.params if mode == "realize" else params, x)
+    for e in range(E):
+        err = float(jnp.abs(y[e] - ref[e]).max() / jnp.abs(ref[e]).max())
+        assert err < 0.05, (e, err)
+    if mode == "realize":
+        assert E in np.shape(qf.params["w2"].scale)
+
+
+def test_batched_weights_closed_over_and_stacked_in_a_scan():
+    params = expert_params()
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(E, T, D)), jnp.float32)
+    qc = jaxq.quantize(functools.partial(moe_rhs, params), calibration=[(x,)])
+    ref = moe_rhs(params, x)
+    for e in range(E):
+        assert float(jnp.abs(qc(x)[e] - ref[e]).max() / jnp.abs(ref[e]).max()) < 0.05
+    # a scan over 2 layers of experts, int4: each layer's experts quantized as the layer alone
+    stacked = jax.tree.map(lambda w: jnp.stack([w, 0.5 * w]), params)
+
+    def stack(p, v):
+        return jax.lax.scan(lambda h, lp: (h + moe_rhs(lp, h), None), v, p)[0]
+
+    config = QConfig(weights=Scheme(bits=4, granularity="channel"), activations=None)
+    qs = jaxq.quantize(stack, stacked, calibration=[(x,)], config=config)
+    assert np.shape(qs.params["w2"].scale) == (2, E, 1, D)
+    h = x
+    for i in range(2):
+        layer = jax.tree.map(lambda w, i=i: w[i], stacked)
+        q1 = jaxq.quantize(lambda p, v: v + moe_rhs(p, v), layer, calibration=[(h,)], config=config)
+        h = q1.apply(q1.params, h)
+    np.testing.assert_allclose(qs.apply(qs.params, x), h, rtol=1e-5, atol=1e-5)

@@ -140,24 +140,26 @@ def _weight_ranges(
 
 
 def weight_qparams(
-    wf: jax.Array, s: Scheme, channel_axis: int, method: str
+    wf: jax.Array, s: Scheme, scale_axes: tuple[int, ...], method: str
 ) -> tuple[Any, Any, Any, Any]:
     """``(scale, zero_point, group_scale, group_zero_point)`` of a float32 weight with one scale
-    per ``channel_axis`` (per group, per tensor): scale and zero point broadcastable to it (full
-    size for groups), the group ones ``[channels, groups]`` (None unless grouped). Core ops only,
-    so the same arithmetic runs on the host (``quantize_weight``) and inside a program (QAT on
-    params)."""
+    per index of ``scale_axes`` (``Site.scale_axes``: the channel axis, and a dot's batch axes),
+    per group or per tensor: scale and zero point broadcastable to it (full size for groups), the
+    group ones ``[channels, groups]`` (None unless grouped). Core ops only, so the same
+    arithmetic runs on the host (``quantize_weight``) and inside a program (QAT on params)."""
     if s.granularity in ("tensor", "channel"):
-        wc = jnp.moveaxis(wf, channel_axis, -1).reshape(-1, wf.shape[channel_axis])
+        n = math.prod(wf.shape[d] for d in scale_axes)
+        kept = tuple(range(-len(scale_axes), 0))
+        wc = jnp.moveaxis(wf, scale_axes, kept).reshape(-1, n)
         axes = (0, 1) if s.granularity == "tensor" else (0,)
         lo, hi = _weight_ranges(wc, axes, s, method)
         scale, zp = range_to_qparams(lo, hi, s)
         if s.granularity == "channel":  # [1, N] -> broadcastable to the weight
-            shape = [1] * wf.ndim
-            shape[channel_axis] = -1
+            shape = [wf.shape[d] if d in scale_axes else 1 for d in range(wf.ndim)]
             return scale.reshape(shape), zp.reshape(shape), None, None
         return scale.reshape(()), zp.reshape(()), None, None
     # group: a 2-D weight, groups along the contracted axis, per channel
+    (channel_axis,) = scale_axes
     wt = jnp.moveaxis(wf, channel_axis, 0)  # [N, K]
     n, kk = wt.shape
     g = s.group_size
@@ -175,7 +177,7 @@ def traced_qweight(w: jax.Array, site: Site, method: str) -> QWeight:
     fake-quantizes the weight itself. ``"gptq"`` needs data, so it uses minmax scales here."""
     wf = lax.stop_gradient(w.astype(jnp.float32))
     scale, zp, gs, gz = weight_qparams(
-        wf, site.weights, site.channel_axis, "mse" if method == "mse" else "minmax"
+        wf, site.weights, site.scale_axes, "mse" if method == "mse" else "minmax"
     )
     off = storage_offset(site.weights)
     return QWeight(
@@ -250,7 +252,7 @@ def quantize_weight(
             )
         how = "mse" if method == "mse" else "minmax"  # (GPTQ and AWQ start from minmax scales)
         full_scale, full_zp, group_scale, group_zp = _host_weight_qparams(
-            wf, s, site.channel_axis, how
+            wf, s, site.scale_axes, how
         )
         off = storage_offset(s)
         scales = QWeight(
@@ -319,10 +321,14 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
             w, qw.scale.reshape(()), zp.reshape(()), axis=None, group_size=None, **params
         )
     if s.granularity == "channel":
-        c = site.channel_axis
-        return simulated_quantize_p.bind(
-            w, qw.scale.reshape(-1), zp.reshape(-1), axis=c, group_size=None, **params
-        )
+        # a dot's batch axes first: the primitive's scale runs along its leading axes and one
+        # more (``axis``), as its vmap rule writes it
+        batch, nb = site.batch_axes, len(site.batch_axes)
+        w = xp.moveaxis(w, batch, tuple(range(nb)))
+        c = nb + [d for d in range(w.ndim) if d not in batch].index(site.channel_axis)
+        vec = lambda v: xp.moveaxis(v, batch, tuple(range(nb))).reshape((*w.shape[:nb], -1))
+        y = simulated_quantize_p.bind(w, vec(qw.scale), vec(zp), axis=c, group_size=None, **params)
+        return jnp.moveaxis(y, tuple(range(nb)), batch)
     # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
     wt = xp.moveaxis(w, site.channel_axis, 0)
     assert qw.group_zero_point is not None  # quantize_weight sets it for granularity="group"

@@ -52,8 +52,9 @@ class Scheme:
         ``"token"`` (activations, computed at run time: under ``QConfig(dynamic=True)``, or in
         a Rule for the layers it matches). A weight with several matrices along batch axes of
         its ``dot_general`` (experts in ``einsum("ebd,edf->ebf")``, a weight under ``vmap``)
-        shares each channel's scale across them, and a weight with several output axes gets
-        scales along the first; a stack of weights that ``lax.scan`` runs gets scales per layer.
+        gets ``"channel"`` scales per matrix and channel, and a weight with several output axes
+        gets scales along the first; a stack of weights that ``lax.scan`` runs gets scales per
+        layer.
       group_size: with ``granularity="group"``, how many consecutive elements along the
         contracted axis share a scale (it must divide that axis); None for the other
         granularities. Group scales change along the sum, so realize computes such a layer

@@ -746,7 +746,7 @@ class Engine:
             site=site.name,
             chain=ref.chain,
             scheme=site.weights,
-            channel_axis=leaf_axis(ref.chain, site.channel_axis),
+            scale_axes=tuple(sorted(leaf_axis(ref.chain, d) for d in site.scale_axes)),
             group_axis=leaf_axis(ref.chain, site.contract_axes[0]) if group else None,
             shape=tuple(spec.avals[ref.leaf].shape),
             dtype=np.dtype(spec.avals[ref.leaf].dtype).name,
@@ -774,9 +774,9 @@ class Engine:
                 )
             self.leaves[ref.leaf] = plan
             return plan
-        same = (first.scheme, first.channel_axis, first.group_axis, first.layers) == (
+        same = (first.scheme, first.scale_axes, first.group_axis, first.layers) == (
             plan.scheme,
-            plan.channel_axis,
+            plan.scale_axes,
             plan.group_axis,
             plan.layers,
         ) and len({first.sum_axes, plan.sum_axes} - {None}) <= 1

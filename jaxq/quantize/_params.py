@@ -191,7 +191,7 @@ class LeafPlan:
     site: str
     chain: tuple[tuple[str, Any], ...]
     scheme: Scheme
-    channel_axis: int  # in the leaf's orientation
+    scale_axes: tuple[int, ...]  # ``Site.scale_axes`` in the leaf's orientation
     group_axis: int | None  # in the leaf's orientation (granularity="group")
     shape: tuple[int, ...]
     dtype: str
@@ -225,8 +225,7 @@ class LeafPlan:
         if s.granularity == "tensor":
             return ()
         layer = self.layer_shape
-        shape = [1] * len(layer)
-        shape[self.channel_axis] = layer[self.channel_axis]
+        shape = [n if d in self.scale_axes else 1 for d, n in enumerate(layer)]
         if self.group_axis is not None:
             assert s.group_size is not None  # granularity="group" requires it
             shape[self.group_axis] = layer[self.group_axis] // s.group_size

@@ -144,7 +144,7 @@ def _check_overflow(site: Site, qw: QWeight, a_scheme: Any, za: Any) -> int:
     off = storage_offset(a_scheme)
     amax_raw = max(abs(qmin + off), abs(qmax + off))
     amax_centered = qmax - qmin if za is None else max(abs(qmin - za), abs(qmax - za))
-    axes = tuple(d for d in range(qw.codes.ndim) if d != site.channel_axis)
+    axes = site.contract_axes
     k = math.prod(qw.codes.shape[d] for d in axes)
     if _host(qw.codes, qw.zero_point):
         c = qw.codes.astype(np.int64)

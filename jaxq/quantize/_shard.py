@@ -18,8 +18,9 @@ from jaxq.quantize._qarray import QArray, is_qarray, pack_axis
 
 
 def channel_axis(qa: QArray) -> int | None:
-    """The axis of ``qa`` with one scale per index (None for a per-tensor scale); not the
-    leading axis of a layer stack (each layer's own channels are split)."""
+    """The first axis of ``qa`` with one scale per index (None for a per-tensor scale): the
+    output channels, or the matrices of a batched weight (MoE experts: expert parallelism); not
+    the leading axis of a layer stack (each layer's own channels are split)."""
     sshape = np.shape(qa.scale)
     for d, n in enumerate(sshape):
         if n > 1 and n == qa.shape[d] and d != qa.group_axis and not (qa.layers and d == 0):
