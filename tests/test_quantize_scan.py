@@ -314,6 +314,44 @@ def test_a_decode_loop_over_a_layer_stack_is_quantized():
     assert sqnr_db(np.asarray(generate(params, x)[0]), np.asarray(h)) > 20
 
 
+def rnn_layer(w, xs):
+    """A recurrent layer: a scan over time steps with the layer's weights as its constants."""
+
+    def step(h, x):
+        h = jnp.tanh(x @ w["wx"] + h @ w["wh"])
+        return h, h
+
+    return jax.lax.scan(step, jnp.zeros(xs.shape[1:-1] + (H,)), xs)[1]
+
+
+@pytest.mark.parametrize("layers, steps", [(3, 3), (2, 4)])
+def test_a_stack_of_time_loops_is_calibrated_per_layer_over_all_steps(layers, steps):
+    # the time loop's statistics came out keyed name@step@layer, read as name@layer@step: a
+    # KeyError where steps > layers, and where steps == layers each step used one layer's scales
+    rng = np.random.default_rng(5)
+    params = {
+        "wx": (rng.normal(size=(layers, H, H)) / 3).astype(np.float32),
+        "wh": (rng.normal(size=(layers, H, H)) / 3).astype(np.float32),
+    }
+    stacked = lambda p, xs: jax.lax.scan(lambda v, w: (rnn_layer(w, v), None), xs, p)[0]
+
+    def unrolled(p, xs):
+        for i, w in enumerate(p):
+            with jax.named_scope(f"layer_{i}"):
+                xs = rnn_layer(w, xs)
+        return xs
+
+    cal = [(rng.normal(size=(steps, 4, H)).astype(np.float32),) for _ in range(2)]
+    qf = Q(stacked, params, calibration=cal, progress=False)
+    alone = Q(unrolled, [jax.tree.map(lambda a, i=i: a[i], params) for i in range(layers)],
+              calibration=cal, progress=False)  # fmt: skip
+    x = cal[0][0]
+    np.testing.assert_allclose(qf(x), alone(x), rtol=1e-5, atol=1e-5)
+    scales = [r.layer_activation_scale for r in qf.report().layers if r.name.endswith("_1")]
+    expected = [r.activation_scale for r in alone.report().layers if r.name.endswith("_1")]
+    np.testing.assert_allclose(np.ravel(scales), np.ravel(expected), rtol=1e-6)
+
+
 def test_stacked_params_shard_by_channel_and_save(tmp_path):
     from jax.sharding import Mesh
 

@@ -198,13 +198,16 @@ def _channel_absmax(v: Any, axis: int) -> Any:
 
 
 def _by_observer(stats: dict[str, Any], observers: dict[str, Observer]) -> dict[str, Any]:
-    """Statistics keyed by their observer: a layer with a loop constant for its weight inside a
-    layer stack reports once per iteration (``name@i``), pooled into one (``name``)."""
+    """Statistics keyed by their observer: a layer with a loop constant for its weight reports
+    once per iteration of that loop (``name@i``, or ``name@layer@i`` inside a layer stack),
+    pooled into one (``name``, ``name@layer``)."""
     out: dict[str, Any] = {}
     pooled: dict[str, list[Any]] = {}
     for k, v in stats.items():
-        base = k.rpartition("@")[0]
-        if k in observers or base not in observers:
+        base = k
+        while base not in observers and "@" in base:
+            base = base.rpartition("@")[0]
+        if base == k or base not in observers:
             out[k] = v
         else:
             pooled.setdefault(base, []).append(v)

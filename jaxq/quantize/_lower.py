@@ -116,12 +116,15 @@ ARRAY_STATS = (":gram", ":absmax", ":wabsmax", ":weight")
 beside the activation statistics, which are keyed by the layer's name (``:out``: its output)."""
 
 
-def iteration_key(key: str, i: int) -> str:
-    """The statistic ``key`` of iteration ``i`` of a loop: ``name@i`` (``name@i:kind``)."""
-    for kind in (*ARRAY_STATS, ":out"):
-        if key.endswith(kind):
-            return f"{key.removesuffix(kind)}@{i}{kind}"
-    return f"{key}@{i}"
+def iteration_key(key: str, i: int, layer: bool) -> str:
+    """The statistic ``key`` of iteration ``i`` of a loop: ``name@i`` (``name@i:kind``). A layer
+    stack's index comes first, a loop's over constant weights last, however the loops nest:
+    ``name@layer@step`` for a decode loop over a stack and for a stack of time loops alike."""
+    kind = next((k for k in (*ARRAY_STATS, ":out") if key.endswith(k)), "")
+    name, sep, inner = key.removesuffix(kind).partition("@")
+    if layer:
+        return f"{name}@{i}{sep}{inner}{kind}"
+    return f"{name}{sep}{inner}@{i}{kind}"
 
 
 DERIVED = ("sub", "div", "neg", "integer_pow", "square", "sqrt", "rsqrt", "abs", "exp", "tanh")
@@ -415,8 +418,11 @@ class Engine:
         kv_dtypes = {i: v.dtype for i, v in enumerate(xs) if isinstance(v, KVCache)}
         views = {i: v for i, v in enumerate(leaf_xs) if isinstance(v, QView)}
         leaf_xs = [v.arrays() if isinstance(v, QView) else v for v in leaf_xs]
-        # what each iteration reads besides its slices: its calibrated activation parameters
-        # and (calibration) its histogram radii, stacked
+        # what each iteration of a layer stack reads besides its slices: its calibrated
+        # activation parameters and (calibration) its histogram radii, stacked (a loop over
+        # constant weights has one set for all its iterations, even where its length is a
+        # stack's: a time loop in each layer of as many layers)
+        keys = lambda table: _stacked_keys(table, length) if any(stacked) else []
         per_iter: dict[tuple[str, str], Any] = {
             ("act", k): (
                 np.asarray([self.state.act[f"{k}@{i}"].scale for i in range(length)], np.float32),
@@ -424,24 +430,24 @@ class Engine:
                     [self.state.act[f"{k}@{i}"].zero_point for i in range(length)], np.int32
                 ),
             )
-            for k in _stacked_keys(self.state.act, length)
+            for k in keys(self.state.act)
         }
         per_iter.update(
             {
                 ("radius", k): jnp.stack([self.radii[f"{k}@{i}"] for i in range(length)])
-                for k in _stacked_keys(self.radii, length)
+                for k in keys(self.radii)
             }
         )
         per_iter.update(
             {
                 ("smooth", k): np.stack([self.state.smooth[f"{k}@{i}"] for i in range(length)])
-                for k in _stacked_keys(self.state.smooth, length)
+                for k in keys(self.state.smooth)
             }
         )
         per_iter.update(
             {
                 ("smooth", k + ":inv"): np.float32(1) / per_iter["smooth", k]
-                for k in _stacked_keys(self.state.smooth, length)
+                for k in keys(self.state.smooth)
             }
         )
 
@@ -501,7 +507,8 @@ class Engine:
         ]
         for k, v in sink.items():  # one entry per iteration (a layer's, or a loop constant's)
             for i in range(length):
-                self.sink[iteration_key(k, i)] = jax.tree.map(lambda a, i=i: a[i], v)
+                key = iteration_key(k, i, layer=any(stacked))
+                self.sink[key] = jax.tree.map(lambda a, i=i: a[i], v)
         return [*carry, *ys]
 
     def act_act_rule(self, visit: Visit, raw: list[Any], scheme: Scheme) -> Any:
