@@ -17,3 +17,14 @@ def test_ci_runs_every_readme_test_command():
     assert len(commands) == 2  # Python 3.11 and Python 3.13
     ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
     assert [c for c in commands if c not in ci] == []
+
+
+def test_the_installed_package_carries_its_type_marker():
+    # without py.typed in the wheel, a user's mypy treats all of jaxq as untyped (Any)
+    import tomllib
+
+    import jaxq
+
+    assert (pathlib.Path(jaxq.__file__).parent / "py.typed").is_file()
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "py.typed" in data["package-data"]["jaxq"]
