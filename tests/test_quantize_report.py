@@ -284,6 +284,30 @@ def test_a_pooled_layer_counts_the_examples_with_a_valid_position():
     assert one["Pooler/dot_general"].sqnr_db == pytest.approx(sub["Pooler/dot_general"].sqnr_db)
 
 
+def test_a_layer_in_a_loop_over_time_reads_each_step_of_the_mask():
+    """An RNN step's ``[batch, features]`` input under a ``[batch, time]`` mask: each step
+    counts the rows valid at that step (the mask was reduced over time, so padded steps counted:
+    25% clipped, 0.7 dB). Causal, so the padded sample reports as its valid prefix alone."""
+
+    def rnn(params, x):  # x [batch, time, features]
+        def step(h, xt):
+            with jax.named_scope("cell"):
+                h = jnp.tanh(xt @ params["wx"] + h)
+            return h, h
+
+        return lax.scan(step, jnp.zeros((x.shape[0], 64)), jnp.swapaxes(x, 0, 1))[1]
+
+    cal = [(rng.standard_normal((4, 6, 16)).astype(np.float32),) for _ in range(2)]
+    qf = jaxq.quantize(rnn, {"wx": W0}, calibration=cal, progress=False)
+    x = rng.standard_normal((4, 6, 16)).astype(np.float32)
+    x[:, 4:] = 50.0  # padding at the last two steps
+    valid = np.arange(6)[None, :] < np.array([[4]] * 4)
+    (row,) = qf.report(sample=(x,), mask=valid).layers
+    (prefix,) = qf.report(sample=(x[:, :4],)).layers
+    assert row.clipped == pytest.approx(prefix.clipped) and row.clipped < 0.01
+    assert row.sqnr_db == pytest.approx(prefix.sqnr_db, rel=1e-4)
+
+
 def test_a_mask_that_does_not_fit_names_the_layer_and_both_shapes(tok_qf):
     x, valid = padded(12, 1.0)
     with pytest.raises(QuantizeError) as info:

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from jaxq.quantize._state import (
     INLINE,
     QState,
     QuantizeError,
+    Site,
     get_state,
     param_spec,
     shaped_aval,
@@ -369,22 +370,27 @@ class QuantizedFunction:
         sites = self._state.sites
         inner = [n for n, s in sites.items() if not s.in_loop and n not in names]
         if inner and self._float_params is not None:  # layers inside scans that params enter
-            ref, got = self._stack_outputs(traced, args, kwargs)
+            ref, got = self._stack_outputs(traced, args, kwargs, mask)
             groups: dict[str, list[str]] = {}
-            for k in ref:  # name@i (a stack's layer i) or name@i@j (also step j of an outer loop)
-                name, *idx = k.split("@")
-                groups.setdefault(f"{name}@{idx[0]}" if sites[name].layers else name, []).append(k)
-            flat = lambda vals, ks: np.concatenate([np.ravel(pick(k, vals[k])) for k in ks])
+            for k in ref:
+                groups.setdefault(_layer_key(k, sites), []).append(k)
+            at = lambda y, valid: np.asarray(y)[np.broadcast_to(valid, np.shape(y))]
+            flat = lambda vals, ks: np.concatenate([at(*vals[k]) for k in ks])
             out.update({g: sqnr_db(flat(ref, ks), flat(got, ks)) for g, ks in groups.items()})
         return out
 
     def _stack_outputs(
-        self, source: Program, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        source: Program,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mask: np.ndarray | None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The output of every iteration of every layer inside a scan that params enter
         (``name@i``, nested loops adding ``@j``) in float and fake-quantized (errors of earlier
-        layers accumulating, as in :meth:`layer_sqnr`), from ``source`` (the float program with
-        params) in one compiled call."""
+        layers accumulating, as in :meth:`layer_sqnr`), each with where ``mask`` marks it valid
+        (that step's mask in a loop over time), from ``source`` (the float program with params)
+        in one compiled call."""
         fp = self._float_params
         state = self._state.replace(source=source, params=param_spec(source, 0))
         fake = simulate_handler(state)
@@ -392,8 +398,12 @@ class QuantizedFunction:
         def outputs(quantized: bool, flat: tuple[Any, ...]) -> dict[str, Any]:
             def handle(visit: Any, site: Any, qw: Any, invals: list[Any], act: Any) -> Any:
                 y = fake(visit, site, qw, invals, act) if quantized else visit.bind(*invals)
-                if engine.stacks:
-                    engine.sink[site.name] = y
+                if engine.loops:
+                    valid = np.ones((), bool)
+                    if mask is not None:
+                        shape = np.shape(y)
+                        valid = fit_mask(mask, shape, site.name, "output", "report", engine.loops)
+                    engine.sink[site.name] = (y, valid)
                 return y
 
             engine = Engine(state, handle, mode="simulate" if quantized else "observe")
@@ -439,12 +449,13 @@ class QuantizedFunction:
                     qmin, qmax = site.activations.qrange
                     q = jnp.round(a / act[0]) + act[1]
                     outside = ((q < qmin) | (q > qmax)).astype(jnp.float32)
-                    if m is None:
-                        stats[site.name] = jnp.mean(outside)
-                    else:
-                        fit = fit_mask(m, a.shape, site.name, "activation", "report")
+                    valid = jnp.ones((), jnp.float32)
+                    if m is not None:
+                        fit = fit_mask(m, a.shape, site.name, "activation", "report", engine.loops)
                         valid = jnp.broadcast_to(fit, a.shape).astype(jnp.float32)
-                        stats[site.name] = jnp.sum(outside * valid) / jnp.sum(valid)
+                    # (counts: a loop's steps pool by their valid values, not one share each)
+                    count = jnp.sum(jnp.broadcast_to(valid, a.shape))
+                    stats[site.name] = jnp.stack([jnp.sum(outside * valid), count])
                 return visit.bind(*invals)
 
             inputs = list(flat)
@@ -460,7 +471,11 @@ class QuantizedFunction:
         except RewriteError as e:
             raise_cause(e)
             raise
-        return {k: float(v) for k, v in jax.device_get(stats).items()}
+        counts: dict[str, Any] = {}
+        for k, v in jax.device_get(stats).items():  # the steps of a loop over time: one layer
+            key = _layer_key(k, self._state.sites)
+            counts[key] = counts.get(key, 0) + np.asarray(v, np.float64)
+        return {k: float(c[0] / c[1]) if c[1] else float("nan") for k, c in counts.items()}
 
     def check_saturation(
         self, *args: Any, threshold: float = 0.01, **kwargs: Any
@@ -713,6 +728,13 @@ def _quantize_layer(state: QState, plan: Any, value: Any, suffix: str, act: Any 
         site.channel_axis,
         act,
     )
+
+
+def _layer_key(key: str, sites: Mapping[str, Site]) -> str:
+    """The layer a per-iteration key belongs to: ``name@i`` (layer ``i`` of a stack) for a
+    stack's ``name@i@j...``, the layer's name for the steps of loops over constant weights."""
+    name, *idx = key.split("@")
+    return f"{name}@{idx[0]}" if idx and sites[name].layers else name
 
 
 def _bind_weights(

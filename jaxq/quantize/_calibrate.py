@@ -173,7 +173,7 @@ def _observer_fn(
                 stats[site.name] = batch_stats(a, radii.get(site.name))
                 out_key = site.name + ":out"
                 # (fixed-point requantize leaves the layers of a stack alone)
-                stack = engine.stacks > 0
+                stack = bool(engine.loops)
                 if not stack and (out_key in radii or state.config.requantize == "fixed_point"):
                     stats[out_key] = batch_stats(y, radii.get(out_key))
             return y

@@ -190,7 +190,9 @@ class Engine:
         self.act_act: dict[str, Scheme] = {}  # activation x activation matmuls in int8
         self.sink: dict[str, Any] = {}  # an observing handler's statistics
         self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
-        self.stacks = 0  # how many layer stacks (scans) the current equation is inside
+        # (length, iteration index, whether a layer stack) of each scan the current equation is
+        # inside, outermost first
+        self.loops: tuple[tuple[int, Any, bool], ...] = ()
         self.kv_caches: list[str] = []  # the scans whose carries became int8 KV caches
         self.kv_on = state.config.kv_cache and mode in ("simulate", "realize")
 
@@ -459,7 +461,7 @@ class Engine:
             for c in caches:
                 carry[c] = KVCache(carry[c][0], carry[c][1], init_dtypes[c])
             with self._body_scope() as sink:
-                self.stacks += 1
+                self.loops = (*self.loops, (length, index, any(stacked)))
                 for (kind, k), v in x_iter.items():
                     {"act": self.act_inputs, "radius": self.radii, "smooth": self.smooth_inputs}[
                         kind
@@ -603,14 +605,14 @@ class Engine:
     def _body_scope(self) -> Iterator[dict[str, Any]]:
         """While a nested body is evaluated: the activation inputs, radii and smoothing factors
         it sets stay its own, and observing handlers record into the dict yielded (restored,
-        layer-stack depth included, on the way out)."""
-        saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink, self.stacks)
+        enclosing loops included, on the way out)."""
+        saved = (self.act_inputs, self.radii, self.smooth_inputs, self.sink, self.loops)
         self.act_inputs, self.radii = dict(self.act_inputs), dict(self.radii)
         self.smooth_inputs, self.sink = dict(self.smooth_inputs), {}
         try:
             yield self.sink
         finally:
-            self.act_inputs, self.radii, self.smooth_inputs, self.sink, self.stacks = saved
+            self.act_inputs, self.radii, self.smooth_inputs, self.sink, self.loops = saved
 
     def cache_write_rule(self, visit: Visit, *invals: Any) -> Any:
         """A write into an int8 KV cache quantizes the written vectors only."""

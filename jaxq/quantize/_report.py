@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxq._program import Program
@@ -286,13 +287,22 @@ def check_mask(mask: Any, who: str) -> np.ndarray:
     return m
 
 
-def fit_mask(mask: Any, shape: tuple[int, ...], layer: str, what: str, who: str) -> Any:
+def fit_mask(
+    mask: Any,
+    shape: tuple[int, ...],
+    layer: str,
+    what: str,
+    who: str,
+    loops: tuple[tuple[int, Any, bool], ...] = (),
+) -> Any:
     """``mask`` (numpy or traced) made to broadcast against a tensor of ``shape``: its axes
     against the tensor's leading axes (each equal, or 1 in the mask); or, where the tensor holds
     every masked position flattened in its first axis (``[batch * tokens, features]``), one
-    leading axis in row-major order; or, for a tensor that lost the mask's last axes (a pooled
-    ``[batch, features]`` output), the mask reduced over them: a row is valid where any of its
-    positions is. Else an error naming the layer."""
+    leading axis in row-major order; or, inside ``loops`` (``Engine.loops``: length, index and
+    whether a layer stack, of each enclosing scan), for a tensor of one step (``[batch, features]`` in a loop over time), the mask at that
+    step along the one axis the tensor lacks as long as the loop; or, for a tensor that lost the
+    mask's last axes (a pooled ``[batch, features]`` output), the mask reduced over them: a row
+    is valid where any of its positions is. Else an error naming the layer."""
     k, n = mask.ndim, len(shape)
     fits = lambda j: all(m in (1, s) for m, s in zip(mask.shape[:j], shape[:j], strict=False))
     if k <= n and fits(k):
@@ -300,6 +310,12 @@ def fit_mask(mask: Any, shape: tuple[int, ...], layer: str, what: str, who: str)
     size = math.prod(mask.shape)
     if n >= 1 and shape[0] == size:
         return mask.reshape(size, *(1,) * (n - 1))
+    for depth in reversed(range(len(loops))):  # (the innermost loop first)
+        length, index, stack = loops[depth]
+        lacked = [j for j in range(max(n - 1, 0), k) if mask.shape[j] == length]
+        if not stack and len(lacked) == 1:
+            step = jnp.take(mask, index, axis=lacked[0])
+            return fit_mask(step, shape, layer, what, who, loops[:depth])
     if 2 <= n <= k and fits(n - 1):  # (the features last: every axis but one is the mask's)
         return mask.any(axis=tuple(range(n - 1, k))).reshape(*mask.shape[: n - 1], 1)
     raise QuantizeError(
