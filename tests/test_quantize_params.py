@@ -1044,6 +1044,16 @@ def test_a_weight_reshaped_before_its_layer_is_named_with_the_fix():
             progress=False,
         )
     assert all("reaches it through split" in lay.status for lay in qf.report().layers)
+    gates = {"i": w.reshape(12, 16), "f": w.reshape(12, 16)}  # (Flax's OptimizedLSTMCell joins
+    with pytest.warns(UserWarning, match=r"through concatenate"):  # its gates' kernels)
+        qf = Q(
+            lambda p, x: x @ jnp.concatenate([p["i"], p["f"]], axis=1),
+            gates,
+            calibration=BATCHES,
+            progress=False,
+        )
+    (layer,) = qf.report().layers
+    assert "through concatenate" in layer.status and "flax.linen.LSTMCell" in layer.status
 
 
 @pytest.mark.parametrize(

@@ -729,12 +729,19 @@ class Engine:
             return NO_WEIGHT_MATMUL if primitive == "dot_general" else NO_WEIGHT_REASON
         leaf, primitive = origin
         path = "" if spec.paths[leaf].startswith("args[") else spec.paths[leaf]  # (bare: params)
-        fix = (
-            "Store the param in the shape the layer uses"
-            if primitive in FOLDABLE
-            else "Compute the weight outside f and pass it as the param (e.g. merge w * s or "
-            "w + a @ b into the params before jaxq.quantize)"
-        )
+        if primitive == "concatenate":
+            fix = (
+                "A weight assembled from several params (Flax's OptimizedLSTMCell joins its gates' "
+                "kernels): use a cell with a layer per gate (flax.linen.LSTMCell), or keep the "
+                "joined kernel as one param"
+            )
+        elif primitive in FOLDABLE:
+            fix = "Store the param in the shape the layer uses"
+        else:
+            fix = (
+                "Compute the weight outside f and pass it as the param (e.g. merge w * s or "
+                "w + a @ b into the params before jaxq.quantize)"
+            )
         return (
             f"{UNFOLLOWED}{path}, reaches it through {primitive}, which "
             f"quantization does not follow (only {', '.join(CHAIN[:2])}): stays float. {fix}"
