@@ -186,3 +186,13 @@ def test_a_scheme_prints_the_fields_it_was_given():
         "int4 sym channel narrow",
         "int4 sym tensor narrow",
     )
+
+
+def test_the_scheme_signature_shows_its_defaults():
+    # help(Scheme) showed "<default>" for every field (the sentinel that lets a Rule inherit)
+    import inspect
+
+    params = inspect.signature(Scheme).parameters
+    assert {k: p.default for k, p in params.items()} == {
+        f.name: getattr(Scheme(), f.name) for f in dataclasses.fields(Scheme) if f.init
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -157,6 +158,13 @@ class Scheme:
         if self.rounding != "nearest_even":
             parts.append(self.rounding)
         return " ".join(parts)
+
+
+# (``help(Scheme)`` and editors show the defaults a field left out takes alone, not a sentinel)
+_sig = inspect.signature(Scheme)
+Scheme.__signature__ = _sig.replace(  # type: ignore[attr-defined]
+    parameters=[p.replace(default=_SCHEME_DEFAULTS[p.name]) for p in _sig.parameters.values()]
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
