@@ -209,8 +209,8 @@ def test_group_granularity_from_the_config_is_per_channel_where_it_does_not_appl
         "Out/dot_general": "int4 sym group(2)",
     }, schemes
     site = get_state(qf.program, "t").sites["Heads/bk,knd->bnd/dot_general"]
-    others = tuple(d for d in range(3) if d != site.channel_axis)
-    k3_scales = np.abs(k3).max(others) / 7  # (one per channel, as Rule(granularity="channel"))
+    assert site.scale_axes == (1, 2)  # (every output axis, as Rule(granularity="channel"))
+    k3_scales = np.abs(k3).max(0) / 7
     lo, hi = next(r.weight_scale for r in qf.report().layers if r.name.startswith("Heads"))
     assert (lo, hi) == pytest.approx((k3_scales.min(), k3_scales.max()), rel=1e-6)
 

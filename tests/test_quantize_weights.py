@@ -336,13 +336,18 @@ def moe_vmap(p, x):  # an ensemble: one MLP per leading index, vmapped
     return jax.vmap(lambda q, v: jnp.tanh(v @ q["w1"]) @ q["w2"])(p, x)
 
 
+def moe_shared(p, x):  # every expert reads the same tokens: the experts are an output axis
+    h = jnp.tanh(jnp.einsum("td,edf->etf", x[0], p["w1"]))
+    return jnp.einsum("etf,efd->etd", h, p["w2"])
+
+
 def moe_middle(p, x):  # the experts axis in the middle of the stored weight
     w2 = jnp.transpose(p["w2"], (1, 0, 2))  # [F, E, D]
     h = jnp.tanh(jnp.einsum("etd,edf->etf", x, p["w1"]))
     return jnp.einsum("etf,fed->etd", h, w2)
 
 
-@pytest.mark.parametrize("f", [moe_rhs, moe_lhs, moe_vmap, moe_middle])
+@pytest.mark.parametrize("f", [moe_rhs, moe_lhs, moe_vmap, moe_shared, moe_middle])
 @pytest.mark.parametrize(
     "mode, config",
     [
@@ -362,7 +367,7 @@ def test_each_matrix_of_a_batched_weight_gets_its_own_scales(f, mode, config):
         err = float(jnp.abs(y[e] - ref[e]).max() / jnp.abs(ref[e]).max())
         assert err < 0.05, (e, err)
     if mode == "realize":
-        assert E in np.shape(qf.params["w2"].scale)
+        assert np.shape(qf.params["w1"].scale) == (E, 1, F)
 
 
 def test_batched_weights_closed_over_and_stacked_in_a_scan():
@@ -387,3 +392,25 @@ def test_batched_weights_closed_over_and_stacked_in_a_scan():
         q1 = jaxq.quantize(lambda p, v: v + moe_rhs(p, v), layer, calibration=[(h,)], config=config)
         h = q1.apply(q1.params, h)
     np.testing.assert_allclose(qs.apply(qs.params, x), h, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_expert_weights_shard_along_their_experts_or_channels():
+    # int4 codes packed along the experts (the first even axis): split along the channels, not
+    # replicated (the experts were the one axis tried)
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    params = jax.tree.map(lambda w: jnp.concatenate([w, w[:1]]), expert_params())  # 4 experts
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(E + 1, T, D)), jnp.float32)
+    config = QConfig(weights=Scheme(bits=4, granularity="channel"), activations=None)
+    qf = jaxq.quantize(moe_rhs, params, example_args=(x,), config=config)
+    shardings = jaxq.param_shardings(qf.params, mesh, "model")
+    assert (
+        shardings["w1"].codes.spec
+        == shardings["w1"].scale.spec
+        == PartitionSpec(None, None, "model")
+    )
+    placed = jax.device_put(qf.params, shardings)
+    np.testing.assert_allclose(jax.jit(qf.apply)(placed, x), qf(x), rtol=1e-5, atol=1e-5)

@@ -143,10 +143,10 @@ def weight_qparams(
     wf: jax.Array, s: Scheme, scale_axes: tuple[int, ...], method: str
 ) -> tuple[Any, Any, Any, Any]:
     """``(scale, zero_point, group_scale, group_zero_point)`` of a float32 weight with one scale
-    per index of ``scale_axes`` (``Site.scale_axes``: the channel axis, and a dot's batch axes),
-    per group or per tensor: scale and zero point broadcastable to it (full size for groups), the
-    group ones ``[channels, groups]`` (None unless grouped). Core ops only, so the same
-    arithmetic runs on the host (``quantize_weight``) and inside a program (QAT on params)."""
+    per index of ``scale_axes`` (``Site.scale_axes``: a dot's weight axes but the contracted
+    ones), per group or per tensor: scale and zero point broadcastable to it (full size for
+    groups), the group ones ``[channels, groups]`` (None unless grouped). Core ops only, so the
+    same arithmetic runs on the host (``quantize_weight``) and inside a program (QAT)."""
     if s.granularity in ("tensor", "channel"):
         n = math.prod(wf.shape[d] for d in scale_axes)
         kept = tuple(range(-len(scale_axes), 0))
@@ -321,9 +321,9 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
             w, qw.scale.reshape(()), zp.reshape(()), axis=None, group_size=None, **params
         )
     if s.granularity == "channel":
-        # a dot's batch axes first: the primitive's scale runs along its leading axes and one
+        # the other scale axes first: the primitive's scale runs along its leading axes and one
         # more (``axis``), as its vmap rule writes it
-        batch, nb = site.batch_axes, len(site.batch_axes)
+        batch, nb = site.extra_scale_axes, len(site.extra_scale_axes)
         w = xp.moveaxis(w, batch, tuple(range(nb)))
         c = nb + [d for d in range(w.ndim) if d not in batch].index(site.channel_axis)
         vec = lambda v: xp.moveaxis(v, batch, tuple(range(nb))).reshape((*w.shape[:nb], -1))

@@ -51,11 +51,11 @@ class Scheme:
       granularity: one scale per ``"tensor"``, per output ``"channel"`` (weights), per ``"group"``
         of ``group_size`` consecutive contraction elements and output channel (weights), or per
         ``"token"`` (activations, computed at run time: under ``QConfig(dynamic=True)``, or in
-        a Rule for the layers it matches). A weight with several matrices along batch axes of
-        its ``dot_general`` (experts in ``einsum("ebd,edf->ebf")``, a weight under ``vmap``)
-        gets ``"channel"`` scales per matrix and channel, and a weight with several output axes
-        gets scales along the first; a stack of weights that ``lax.scan`` runs gets scales per
-        layer.
+        a Rule for the layers it matches). A matmul weight's ``"channel"`` scales run along
+        every axis it does not contract: its several matrices along batch axes of the
+        ``dot_general`` (experts in ``einsum("ebd,edf->ebf")``, a weight under ``vmap``) and
+        several output axes (a ``DenseGeneral``'s heads) each get their own; a stack of weights
+        that ``lax.scan`` runs gets scales per layer.
       group_size: with ``granularity="group"``, how many consecutive elements along the
         contracted axis share a scale (it must divide that axis); None for the other
         granularities. Group scales change along the sum, so realize computes such a layer

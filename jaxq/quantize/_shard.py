@@ -1,9 +1,10 @@
 """Shardings for quantized params: each QArray split along its output channels over a mesh axis.
 
-A per-channel QArray says which axis holds its channels: the one its scale runs along. Codes,
-scale and zero point are split there together, so every device holds the codes and scales of its
-own channels and the integer matmul needs no gather. Everything else (per-tensor QArrays, biases,
-norms, int4 codes packed along their channel axis) is replicated: those leaves are small.
+A per-channel QArray says which axes hold its channels: those its scale runs along (a batched
+weight's experts first, then its output channels). Codes, scale and zero point are split along
+one of them together, so every device holds the codes and scales of its own channels (or
+experts) and the integer matmul needs no gather. Everything else (per-tensor QArrays, biases,
+norms, int4 codes packed along their only such axis) is replicated: those leaves are small.
 """
 
 from __future__ import annotations
@@ -17,22 +18,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxq.quantize._qarray import QArray, is_qarray, pack_axis
 
 
-def channel_axis(qa: QArray) -> int | None:
-    """The first axis of ``qa`` with one scale per index (None for a per-tensor scale): the
-    output channels, or the matrices of a batched weight (MoE experts: expert parallelism); not
-    the leading axis of a layer stack (each layer's own channels are split)."""
+def scale_axes(qa: QArray) -> list[int]:
+    """The axes of ``qa`` with one scale per index (none for a per-tensor scale): its output
+    channels, and a batched weight's matrices (MoE experts); not the leading axis of a layer
+    stack (each layer's own channels are split) nor a group axis."""
     sshape = np.shape(qa.scale)
-    for d, n in enumerate(sshape):
-        if n > 1 and n == qa.shape[d] and d != qa.group_axis and not (qa.layers and d == 0):
-            return d
-    return None
+    return [
+        d
+        for d, n in enumerate(sshape)
+        if n > 1 and n == qa.shape[d] and d != qa.group_axis and not (qa.layers and d == 0)
+    ]
 
 
 def param_shardings(params: Any, mesh: Mesh, axis: str) -> Any:
     """A pytree of ``NamedSharding`` matching ``params`` (QArrays expanded to their arrays), for
     ``jax.device_put(params, param_shardings(params, mesh, axis))``: every per-channel QArray
-    split along its channel axis over mesh axis ``axis`` where the channels divide evenly,
-    everything else replicated.
+    split over mesh axis ``axis`` along the first of its scale axes (the experts of an MoE
+    weight, else the output channels) that divides evenly and does not hold packed int4
+    codes, everything else replicated.
 
     ``jax.jit`` of ``qf.apply`` on params placed so needs no ``shard_map``. Inside one, pass
     ``check_vma=False``: ``qf.apply`` re-binds a traced program, whose equations do not mark
@@ -46,12 +49,17 @@ def param_shardings(params: Any, mesh: Mesh, axis: str) -> Any:
     def one(x: Any) -> Any:
         if not isinstance(x, QArray):
             return replicated
-        d = channel_axis(x)
-        # (int4 packed along the channel axis: a byte holds channels j and j + C/2, so a split
-        # of the bytes would not match the scales' split)
+        # (not an int4 packing axis: a byte holds indices j and j + C/2 there, so a split of
+        # the bytes would not match the scales' split)
         packed = x.bits <= 4 and np.shape(x.codes) != x.shape
-        if d is None or x.shape[d] % n or (packed and pack_axis(x.shape) in (d, None)):
+        axes = [
+            d
+            for d in scale_axes(x)
+            if not x.shape[d] % n and not (packed and pack_axis(x.shape) in (d, None))
+        ]
+        if not axes:
             return jax.tree.map(lambda _: replicated, x)
+        d = axes[0]
         split = lambda v: NamedSharding(
             mesh, PartitionSpec(*[axis if i == d else None for i in range(np.ndim(v))])
         )

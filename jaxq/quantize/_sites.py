@@ -207,16 +207,14 @@ def make_site(
         reduce_axes=reduce,
         in_loop=in_loop,
         layers=layers,
-        batch_axes=_weight_batch_axes(visit, wi) if weights.granularity == "channel" else (),
+        extra_scale_axes=tuple(
+            d
+            for d in range(len(w_aval.shape))
+            if d != channel and d not in contract and visit.primitive == "dot_general"
+        )
+        if weights.granularity == "channel"
+        else (),
     )
-
-
-def _weight_batch_axes(visit: Visit, wi: int) -> tuple[int, ...]:
-    """A dot's batch axes on the weight side (none for other primitives)."""
-    if visit.primitive != "dot_general":
-        return ()
-    _, (lb, rb) = visit.params["dimension_numbers"]
-    return tuple((lb, rb)[wi])
 
 
 def dot_to_out(v: Any, operand: int, dn: Any, ranks: tuple[int, int]) -> Any:

@@ -87,14 +87,16 @@ class Site:
     # > 0: a layer of a stack run by ``lax.scan`` (its weight a slice of a stacked param), with
     # that many iterations, each calibrated with scales of its own (keys ``name@i``)
     layers: int = 0
-    # weight axes that are batch dims of the dot (MoE experts, a vmapped ensemble): each index
-    # is a separate matrix, so per-channel scales run along them too
-    batch_axes: tuple[int, ...] = ()
+    # weight axes besides the channel axis that per-channel scales run along: a dot's batch
+    # axes (MoE experts, a vmapped ensemble: separate matrices) and its other output axes (a
+    # DenseGeneral's heads, the members of an ensemble that share one input)
+    extra_scale_axes: tuple[int, ...] = ()
 
     @property
     def scale_axes(self) -> tuple[int, ...]:
-        """The weight axes a per-channel scale runs along (the others have size 1)."""
-        return tuple(sorted((*self.batch_axes, self.channel_axis)))
+        """The weight axes a per-channel scale runs along (the others have size 1): every axis
+        but the contracted ones."""
+        return tuple(sorted((*self.extra_scale_axes, self.channel_axis)))
 
     def static_act(self, dynamic: bool) -> bool:
         """Whether this layer's activations get calibrated scales (and zero points)."""
