@@ -1062,6 +1062,10 @@ def test_a_weight_reshaped_before_its_layer_is_named_with_the_fix():
         (lambda p, x: x @ (p["w"] * 2.0), "mul"),
         (lambda p, x: x @ (p["w"] + p["a"] @ p["b"]), "add"),  # (a LoRA-merged weight)
         (lambda p, x: x @ (p["w"] / 2.0), "div"),
+        # weight standardization (jnp.std: reductions, and constants jit traces like values)
+        (lambda p, x: x @ ((p["w"] - p["w"].mean(0)) / (p["w"].std(0) + 1e-5)), "sub"),
+        # weight normalization (Flax's WeightNorm): a norm of the param, and a gain
+        (lambda p, x: x @ (p["w"] / jnp.linalg.norm(p["w"], axis=0) * p["b"][0]), "div"),
     ],
 )
 def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, primitive):

@@ -127,9 +127,14 @@ def iteration_key(key: str, i: int, layer: bool) -> str:
     return f"{name}{sep}{inner}@{i}{kind}"
 
 
-DERIVED = ("sub", "div", "neg", "integer_pow", "square", "sqrt", "rsqrt", "abs", "exp", "tanh")
-"""Elementwise equations whose result, computed from a param, is noted as derived from it (``add``
-and ``mul`` are opt-in sites and note it themselves)."""
+DERIVED = (
+    *("sub", "div", "neg", "integer_pow", "square", "sqrt", "rsqrt", "abs", "exp", "log", "tanh"),
+    *("max", "min", "select_n", "reduce_sum", "reduce_max", "reduce_min"),
+    *("gt", "ge", "lt", "le", "eq", "ne"),
+)
+"""Equations whose result, computed from a param, is noted as derived from it: elementwise ones
+and reductions (a weight normalized in f: weight standardization, Flax's WeightNorm). ``add``
+and ``mul`` are opt-in sites and note it themselves."""
 UNFOLLOWED = "its weight, params"
 """How the reason of a layer whose weight param reaches it through an equation quantization
 does not follow (a reshape) begins."""
@@ -186,7 +191,8 @@ class Engine:
         self.float_reads: dict[str, list[int]] = {}  # a layer left float -> the leaves it reads
         # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
         # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
-        self.derived: dict[int, tuple[Any, tuple[int, str]]] = {}
+        # (None: a value of constants alone, which may go into such a weight)
+        self.derived: dict[int, tuple[Any, tuple[int, str] | None]] = {}
         self.act_act: dict[str, Scheme] = {}  # activation x activation matmuls in int8
         self.sink: dict[str, Any] = {}  # an observing handler's statistics
         self.radii: dict[str, Any] = {}  # an observing handler's histogram radii
@@ -249,12 +255,15 @@ class Engine:
         if isinstance(out, (list, tuple)) or not all(own(v) for v in invals):
             return out
         leaf = next((v.leaf for v in invals if isinstance(v, WeightRef)), None)
-        origin = (leaf, primitive) if leaf is not None else None
-        if origin is None:
-            origin = next((self.derived[id(v)][1] for v in invals if id(v) in self.derived), None)
-        if origin is not None:
-            self.derived[id(out)] = (out, origin)
+        origin = (leaf, primitive) if leaf is not None else self._origin(invals)
+        # (origin None: computed from constants alone, which jit traces like any value)
+        self.derived[id(out)] = (out, origin)
         return out
+
+    def _origin(self, values: Sequence[Any]) -> tuple[int, str] | None:
+        """The (leaf, primitive) of the first of ``values`` computed from a param, or None."""
+        found = (self.derived.get(id(v), (None, None))[1] for v in values)
+        return next((o for o in found if o is not None), None)
 
     def derived_rule(self, visit: Visit, *invals: Any) -> Any:
         """An arithmetic equation, bound as it is, that notes a result computed from a param."""
@@ -358,9 +367,9 @@ class Engine:
             for o in out if visit.eqn.primitive.multiple_results else [out]:  # (split: each)
                 self.derived[id(o)] = (o, (leaf, visit.primitive))
             return out
-        origin = next((self.derived[id(v)][1] for v in invals if id(v) in self.derived), None)
-        if origin is not None:  # (still the param's value, reshaped again or cast)
-            out = visit.bind(*invals)
+        if any(id(v) in self.derived for v in invals):  # (still the param's value, reshaped
+            out = visit.bind(*invals)  # again or cast; or a value of constants alone)
+            origin = self._origin(invals)
             for o in out if visit.eqn.primitive.multiple_results else [out]:
                 self.derived[id(o)] = (o, origin)
             return out
@@ -723,7 +732,7 @@ class Engine:
     def _no_weight_reason(self, operands: list[Any], primitive: str) -> str:
         """Why a layer has no weight: none of its operands is a param, or one is a param's value
         after an equation a weight cannot pass through (named, with the fix)."""
-        origin = next((self.derived[id(v)][1] for v in operands if id(v) in self.derived), None)
+        origin = self._origin(operands)
         spec = self.state.params
         if origin is None or spec is None:
             return NO_WEIGHT_MATMUL if primitive == "dot_general" else NO_WEIGHT_REASON
