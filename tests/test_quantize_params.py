@@ -1269,3 +1269,35 @@ def test_a_function_that_never_reads_its_params_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (reading some of the params is fine)
         Q(lambda p, x: model(dict(P, head=p["head"]), x), P, calibration=BATCHES, progress=False)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize(
+    "config", [QConfig(), QConfig(weights=Scheme(bits=4, granularity="channel"), activations=None)]
+)
+def test_a_weight_flipped_on_its_way_is_quantized_like_the_flipped_param(axis, config):
+    # a kernel reversed before its layer (a ConvTranspose(transpose_kernel=True)'s spatial flip)
+    # stayed float; along the channels the scales flip with it
+    w = P["dense"][0]["kernel"]
+    flipped = Q(
+        lambda p, x: x @ jnp.flip(p["w"], axis),
+        {"w": w},
+        calibration=BATCHES,
+        config=config,
+        progress=False,
+    )
+    stored = Q(
+        lambda p, x: x @ p["w"],
+        {"w": np.flip(w, axis)},
+        calibration=BATCHES,
+        config=config,
+        progress=False,
+    )
+    assert isinstance(flipped.params["w"], QArray)
+    np.testing.assert_array_equal(
+        flipped.params["w"].dequantize(), np.flip(stored.params["w"].dequantize(), axis)
+    )
+    x = BATCHES[0][0]
+    np.testing.assert_allclose(
+        jax.jit(flipped.apply)(flipped.params, x), stored(x), rtol=1e-6, atol=1e-6
+    )

@@ -31,8 +31,9 @@ from jaxq.quantize._qarray import (
     unpack_int4,
 )
 
-CHAIN = ("convert_element_type", "transpose", "copy", "copy_p")
-"""Equations a weight may pass through between its param leaf and its layer."""
+CHAIN = ("convert_element_type", "transpose", "rev", "copy", "copy_p")
+"""Equations a weight may pass through between its param leaf and its layer (``rev``: the
+flipped kernel of a ``ConvTranspose(transpose_kernel=True)``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,17 @@ class QView:
                 sums=t(self.sums),
                 packed=None,  # (packed in the leaf's orientation: the unpacked codes serve)
             )
+        if primitive == "rev":
+            dims = tuple(params["dimensions"])
+            f = lambda v: None if v is None else _flip(v, dims)
+            return dataclasses.replace(
+                self,
+                codes=f(self.codes),
+                scale=f(self.scale),
+                zero_point=f(self.zero_point),
+                sums=f(self.sums),
+                packed=None,
+            )
         if primitive == "convert_element_type":
             return dataclasses.replace(self, dtype=np.dtype(params["new_dtype"]))
         return self  # copy
@@ -144,6 +156,8 @@ class WeightRef:
 
     def then(self, primitive: str, params: Mapping[str, Any], value: Any) -> WeightRef:
         key = tuple(params["permutation"]) if primitive == "transpose" else None
+        if primitive == "rev":
+            key = tuple(params["dimensions"])
         if primitive == "convert_element_type":
             key = np.dtype(params["new_dtype"]).name
         return WeightRef(self.leaf, value, (*self.chain, (primitive, key)), self.layers)
@@ -169,9 +183,17 @@ def to_site(w: Any, chain: Sequence[tuple[str, Any]]) -> Any:
     for prim, key in chain:
         if prim == "transpose":
             w = np.transpose(w, key)
+        elif prim == "rev":
+            w = _flip(w, key)
         elif prim == "convert_element_type":
             w = w.astype(key)
     return w
+
+
+def _flip(v: Any, dims: tuple[int, ...]) -> Any:
+    """``v`` reversed along ``dims`` (those of size 1 in a broadcastable scale: as they are)."""
+    xp = np if isinstance(v, (np.ndarray, np.generic)) else jnp
+    return xp.flip(v, tuple(d for d in dims if np.shape(v)[d] > 1))
 
 
 def to_leaf(v: Any, chain: Sequence[tuple[str, Any]]) -> Any:
@@ -179,6 +201,8 @@ def to_leaf(v: Any, chain: Sequence[tuple[str, Any]]) -> Any:
     for prim, key in reversed(chain):
         if prim == "transpose" and np.ndim(v) == len(key):  # (a per-tensor scale: as it is)
             v = np.transpose(v, np.argsort(key))
+        elif prim == "rev" and np.ndim(v):
+            v = _flip(v, key)
     return v
 
 
