@@ -197,7 +197,11 @@ def offload(
         realize only requantizes to the next layer's codes (conv -> bias -> ReLU -> conv) runs
         as one ``QLinearConv``, which rounds that requantize in float: each such code is ``qf``'s
         or one step from it (ONNX Runtime's own static quantization rounds the same way).
-        ``exact=True`` keeps realize's float rescale and rounding there (slower).
+        ``exact=True`` keeps realize's float rescale and rounding there (slower): each integer
+        op then computes ``qf``'s integers from the same codes, while the float ops between
+        layers (a GroupNorm, a SiLU) may round their last bit apart from XLA's, which can move
+        a later layer's code by one step where a value sits on a rounding boundary (as jitted
+        and eager XLA differ).
       max_unroll: a ``lax.scan`` of at most this many iterations (an ``nn.scan`` layer stack)
         is unrolled (:func:`jaxq.transform.unroll_loops`) so that its layers can run in the
         backend; longer loops (a long decode loop) stay with XLA, and 0 keeps every loop there.
