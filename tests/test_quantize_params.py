@@ -1301,3 +1301,17 @@ def test_a_weight_flipped_on_its_way_is_quantized_like_the_flipped_param(axis, c
     np.testing.assert_allclose(
         jax.jit(flipped.apply)(flipped.params, x), stored(x), rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_weight_only_function_differentiates_in_its_inputs(bits):
+    # no value computed from the inputs is rounded, so its derivative is the float function's on
+    # the dequantized weights (classifier guidance through a weight-only model); it raised
+    mlp = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"].T
+    params = {"w1": P["dense"][0]["kernel"], "w2": P["dense"][1]["weight"]}
+    config = QConfig(weights=Scheme(bits=bits, granularity="channel"), activations=None)
+    qf = Q(mlp, params, example_args=(X,), config=config, progress=False)
+    deq = {k: v.dequantize() for k, v in qf.params.items()}
+    want = jax.grad(lambda x: mlp(deq, x).sum())(X)
+    got = jax.jit(jax.grad(lambda x: qf.apply(qf.params, x).sum()))(X)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -202,9 +202,20 @@ class QuantizedFunction:
 
     def _run(self, program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         fun = program.as_fun()
-        if self.mode == "simulate":
+        if self.mode == "simulate" or not self._rounds_activations():
             return fun(*args, **kwargs)
         return _no_derivative(lambda *a: fun(*a, **kwargs))(*args)
+
+    def _rounds_activations(self) -> bool:
+        """Whether the realized program rounds values computed from its inputs (activation codes,
+        int8 attention, an int8 KV cache). Weight-only code does not: its derivative in the
+        inputs is the float function's on the dequantized weights (classifier guidance)."""
+        config, sites = self._state.config, self._state.sites
+        return (
+            config.attention is not None
+            or config.kv_cache
+            or any(s.activations is not None for s in sites.values())
+        )
 
     def _check_params(self, params: Any, *, quantized: bool, who: str) -> list[Any]:
         """The flat params (QArrays as leaves), after checking them against the traced ones; the
@@ -857,6 +868,9 @@ def quantize(
         2048 values in a 4-layer MLP; 5e-4 relative on a 3-layer GPT's logits). Under
         ``QConfig(requantize="fixed_point")`` realize rounds each output code the integer way
         (see there), so a few output codes of one layer differ by one step from simulate's.
+        A realized function has no derivative where it rounds activations (``jax.grad``
+        raises); a weight-only one differentiates in its inputs as the float function on the
+        dequantized weights.
       weight_argnums: (without params) positions of ``f``'s arguments that are weights, taken
         from ``example_args`` (or the first calibration tuple); the result does not take them.
       example_args: arguments of ``f`` (without the params) to trace with (default: the first
