@@ -323,12 +323,13 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
     if s.granularity == "channel":
         # the other scale axes first: the primitive's scale runs along its leading axes and one
         # more (``axis``), as its vmap rule writes it
-        batch, nb = site.extra_scale_axes, len(site.extra_scale_axes)
-        w = xp.moveaxis(w, batch, tuple(range(nb)))
-        c = nb + [d for d in range(w.ndim) if d not in batch].index(site.channel_axis)
-        vec = lambda v: xp.moveaxis(v, batch, tuple(range(nb))).reshape((*w.shape[:nb], -1))
+        extra = site.extra_scale_axes
+        front = tuple(range(len(extra)))
+        w = xp.moveaxis(w, extra, front)
+        c = len(extra) + [d for d in range(w.ndim) if d not in extra].index(site.channel_axis)
+        vec = lambda v: xp.moveaxis(v, extra, front).reshape((*w.shape[: len(extra)], -1))
         y = simulated_quantize_p.bind(w, vec(qw.scale), vec(zp), axis=c, group_size=None, **params)
-        return jnp.moveaxis(y, tuple(range(nb)), batch)
+        return jnp.moveaxis(y, front, extra)
     # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
     wt = xp.moveaxis(w, site.channel_axis, 0)
     assert qw.group_zero_point is not None  # quantize_weight sets it for granularity="group"

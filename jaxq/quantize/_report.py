@@ -299,10 +299,11 @@ def fit_mask(
     against the tensor's leading axes (each equal, or 1 in the mask); or, where the tensor holds
     every masked position flattened in its first axis (``[batch * tokens, features]``), one
     leading axis in row-major order; or, inside ``loops`` (``Engine.loops``: length, index and
-    whether a layer stack, of each enclosing scan), for a tensor of one step (``[batch, features]`` in a loop over time), the mask at that
-    step along the one axis the tensor lacks as long as the loop; or, for a tensor that lost the
-    mask's last axes (a pooled ``[batch, features]`` output), the mask reduced over them: a row
-    is valid where any of its positions is. Else an error naming the layer."""
+    whether a layer stack, of each enclosing scan), for a tensor of one step (``[batch,
+    features]`` in a loop over time), the mask at that step along the one axis the tensor lacks
+    as long as the loop; or, for a tensor that lost the mask's last axes (a pooled ``[batch,
+    features]`` output), the mask reduced over them: a row is valid where any of its positions
+    is. Else an error naming the layer."""
     k, n = mask.ndim, len(shape)
     fits = lambda j: all(m in (1, s) for m, s in zip(mask.shape[:j], shape[:j], strict=False))
     if k <= n and fits(k):

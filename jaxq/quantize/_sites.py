@@ -195,6 +195,9 @@ def make_site(
                 f"quantize: requantize='fixed_point' cannot combine group-wise weight scales "
                 f"({visit.name!r}); use requantize='float' or granularity='channel'"
             )
+    extra: tuple[int, ...] = ()  # (a matmul's batch and other output axes: scales of their own)
+    if weights.granularity == "channel" and visit.primitive == "dot_general":
+        extra = tuple(d for d in range(len(w_aval.shape)) if d != channel and d not in contract)
     return Site(
         name=visit.name,
         primitive=visit.primitive,
@@ -207,13 +210,7 @@ def make_site(
         reduce_axes=reduce,
         in_loop=in_loop,
         layers=layers,
-        extra_scale_axes=tuple(
-            d
-            for d in range(len(w_aval.shape))
-            if d != channel and d not in contract and visit.primitive == "dot_general"
-        )
-        if weights.granularity == "channel"
-        else (),
+        extra_scale_axes=extra,
     )
 
 
