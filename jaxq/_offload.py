@@ -52,6 +52,7 @@ TUNING = {
         conv_taps_max=0,
         pool_codes=True,
         weights_in_turn=False,
+        weight_pieces=0,
     ),
 }
 """How realize lowers for a backend's kernels: ONNX Runtime's integer GEMM takes every dot and

@@ -208,9 +208,9 @@ def _int_dot(
     ai = 1 - wi
     scheme = site.activations
     assert scheme is not None  # realize_handler lowers only sites with activation schemes
-    wq = weight_codes(qw, a.codes if isinstance(a, QTensor) else a)
+    codes_of = lambda: weight_codes(qw, a.codes if isinstance(a, QTensor) else a)
     a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
-    ranks = (len(a_shape), wq.ndim) if wi == 1 else (wq.ndim, len(a_shape))
+    ranks = (len(a_shape), len(qw.shape)) if wi == 1 else (len(qw.shape), len(a_shape))
     a_contract = (lc, rc)[ai]
     a_free = [d for d in range(len(a_shape)) if d not in a_contract and d not in (lb, rb)[ai]]
     tune = current_tuning()
@@ -224,8 +224,14 @@ def _int_dot(
         native = nan_rows and not isinstance(a, QTensor)
         if native:  # a NaN code makes its whole row of sums NaN (no reduction, fused)
             qa = jnp.where(jnp.isfinite(a), qa, jnp.float32(jnp.nan))
-        ops = (qa, wq.astype(jnp.float32)) if wi == 1 else (wq.astype(jnp.float32), qa)
-        acc = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
+        rows = _pieces(visit, site, qw) if dn == visit.params["dimension_numbers"] else None
+        if rows is not None:  # (sums of pieces: integers below 2**24 as well, so still exact)
+            acc = _piecewise_dot(visit, site, qw, qa, rows, codes_only=True)
+        else:
+            wf = codes_of().astype(jnp.float32)
+            acc = lax.dot_general(
+                *((qa, wf) if wi == 1 else (wf, qa)), dn, preferred_element_type=jnp.float32
+            )
         fin = _dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract, centered=True)
         return (*fin, native)
     qa, za_s = _quantize_act(a, scheme, sa, za)
@@ -233,8 +239,7 @@ def _int_dot(
     # a 1-row s8 dot is slow on some XLA:CPU builds (widened to s32); 2 rows take the fast kernel
     pad_rows = one_row and (tune.s8_pad_single_row or few)
     qa_in = jnp.concatenate([qa, qa], axis=a_free[0]) if pad_rows else qa
-    ops = (qa_in, wq) if wi == 1 else (wq, qa_in)
-    acc = int_dot(*ops, dn)
+    acc = int_dot(*((qa_in, codes_of()) if wi == 1 else (codes_of(), qa_in)), dn)
     if pad_rows:
         acc = lax.slice_in_dim(acc, 0, 1, axis=0)
     return (*_dot_finish(acc, site, qw, qa, za_s, sa, dn, ranks, a_contract), False)
@@ -289,8 +294,7 @@ def _dequantized_dot(
     qa, za_s = _quantize_act(invals[1 - wi], scheme, sa, za)
     a_dtype = shaped_aval(visit.eqn.invars[1 - wi]).dtype
     new[1 - wi] = ((qa.astype(jnp.int32) - za_s).astype(jnp.float32) * sa).astype(a_dtype)
-    new[wi] = _dequantized_weight(visit, site, qw, new[1 - wi])
-    return visit.bind(*new)
+    return _dequantized_op(visit, site, qw, new)
 
 
 def _channels_last(dn: Any) -> bool:
@@ -526,13 +530,109 @@ def _dequantized_weight(visit: Visit, site: Site, qw: QWeight, activation: Any) 
     return (w * qw.scale).astype(shaped_aval(visit.eqn.invars[site.weight_index]).dtype)
 
 
+def _dequantized_op(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> jax.Array:
+    """The float op on ``invals`` with the weight dequantized as simulated: a piece of the
+    contracted axis at a time where :func:`_pieces` says so, else whole."""
+    rows = _pieces(visit, site, qw)
+    if rows is not None:
+        return _piecewise_dot(visit, site, qw, invals[1 - site.weight_index], rows)
+    new = list(invals)
+    new[site.weight_index] = _dequantized_weight(visit, site, qw, invals[1 - site.weight_index])
+    return visit.bind(*new)
+
+
+def _pieces(visit: Visit, site: Site, qw: QWeight) -> int | None:
+    """Contracted rows per piece for a matmul that dequantizes its weight a piece at a time (its
+    output smaller than its weight: few rows), or None to dequantize it whole."""
+    rows = current_tuning().weight_pieces
+    out_size = shaped_aval(visit.eqn.outvars[0]).size  # (symbolic under a polymorphic export)
+    if not rows or site.primitive != "dot_general" or not isinstance(out_size, int):
+        return None
+    (lc, rc), (lb, _) = visit.params["dimension_numbers"]
+    contract = (lc, rc)[site.weight_index]
+    if lb or len(contract) != 1 or out_size >= qw.codes.size:
+        return None
+    if site.weights.granularity == "group":  # (2-D, grouped along the contracted axis)
+        rows = math.lcm(rows, site.weights.group_size or 1)
+    n = qw.shape[contract[0]]
+    return rows if n % rows == 0 and n // rows >= 2 else None
+
+
+def _piecewise_dot(
+    visit: Visit, site: Site, qw: QWeight, x: Any, rows: int, codes_only: bool = False
+) -> jax.Array:
+    """``dot_general(x, dequantized weight)`` as a loop over pieces of ``rows`` contracted rows,
+    each dequantized (unpacked, converted, scaled) in cache and multiplied into an f32 sum; with
+    ``codes_only``, the codes themselves in f32 (exact integer sums, see :func:`_int_dot`). A
+    weight converted whole is written out and read back on every call: weight-only 4096 x 4096
+    at batch 1 ran at 0.08-0.16x float's speed that way, and at 0.9-1.2x in pieces of 128 rows
+    (interleaved, jax 0.10.2 and 0.12; 4096 -> 1024: 1.5-1.9x)."""
+    wi = site.weight_index
+    dn = visit.params["dimension_numbers"]
+    (lc, rc), _ = dn
+    k, ka = (lc, rc)[wi][0], (lc, rc)[1 - wi][0]
+    n = qw.shape[k]
+    w_dtype = shaped_aval(visit.eqn.invars[wi]).dtype
+    # int4 bytes are read in pieces where a piece of them holds whole rows: packed along
+    # another axis, or along the rows with pieces of rows i.. and n/2 + i.. in two loop turns at
+    # least (a loop of one turn is unrolled, and XLA then converts every layer's weight first)
+    p = None if qw.packed is None else pack_axis(qw.shape)
+    halves = p == k and (n // 2) % rows == 0 and n // (2 * rows) >= 2
+    if p is None or (p == k and not halves):
+        src, p = weight_codes(qw, x), None  # (int8 codes; int4 ones unpacked once x is known)
+    else:
+        src = _in_turn(x, qw.packed) if current_tuning().weights_in_turn else qw.packed
+    g = site.weights.group_size if site.weights.granularity == "group" else None
+    scale, zp = qw.scale, (qw.zero_point if _nonzero(qw.zero_point) else None)
+    if g is not None:  # [channels, groups] -> groups along the weight's contracted axis
+        along = lambda v: jnp.asarray(v).T if k == 0 else jnp.asarray(v)
+        scale = along(qw.group_scale)
+        zp = None if zp is None else along(qw.group_zero_point)
+
+    def piece_of(v: Any, start: Any) -> Any:  # a scale / zero point -> the piece's
+        if g is None:
+            return v
+        return jnp.repeat(lax.dynamic_slice_in_dim(v, start // g, rows // g, k), g, k)
+
+    def dot(q: Any, start: Any) -> jax.Array:  # codes of rows start.. -> their product
+        w = q.astype(jnp.float32)
+        if not codes_only:
+            if zp is not None:
+                w = w - piece_of(zp, start)
+            w = (w * piece_of(scale, start)).astype(w_dtype)
+        xs = lax.dynamic_slice_in_dim(x, start, rows, ka)
+        ops = (xs, w) if wi == 1 else (w, xs)
+        return lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
+
+    out = jnp.zeros(shaped_aval(visit.eqn.outvars[0]).shape, jnp.float32)
+    if halves:
+
+        def body(i: Any, acc: jax.Array) -> jax.Array:
+            lo, hi = nibbles(lax.dynamic_slice_in_dim(src, i * rows, rows, k))
+            return acc + dot(lo, i * rows) + dot(hi, n // 2 + i * rows)
+
+        return lax.fori_loop(0, n // (2 * rows), body, out)
+
+    def piece(i: Any, acc: jax.Array) -> jax.Array:
+        q = lax.dynamic_slice_in_dim(src, i * rows, rows, k)
+        if p is not None:  # packed along another axis: the piece's bytes, unpacked along it
+            q = jnp.concatenate(nibbles(q), p)
+        return acc + dot(q, i * rows)
+
+    return lax.fori_loop(0, n // rows, piece, out)
+
+
 def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> jax.Array:
-    """A float dot / convolution on the stored codes. Where the output is smaller than the weight
-    (matmuls at small batch), a symmetric per-tensor or per-channel scale multiplies the output
-    instead, so the weight's only per-call work is one fused unpack-and-convert; otherwise (a
+    """A float dot / convolution on the stored codes. Matmuls whose output is smaller than their
+    weight (few rows) dequantize it a piece at a time (:func:`_piecewise_dot`), or where that
+    does not apply, a symmetric per-tensor or per-channel scale multiplies the output instead,
+    so the weight's only per-call work is one fused unpack-and-convert; otherwise (a
     convolution's kernel is small) the weight is dequantized as simulated."""
     wi = site.weight_index
     new = list(invals)
+    rows = _pieces(visit, site, qw)
+    if rows is not None:
+        return _piecewise_dot(visit, site, qw, invals[1 - wi], rows)
     symmetric = not _nonzero(qw.zero_point) and site.weights.granularity != "group"
     out_size = shaped_aval(visit.eqn.outvars[0]).size  # (symbolic under a polymorphic export:
     out_smaller = isinstance(out_size, int) and out_size < qw.codes.size  # any size, so large)

@@ -57,6 +57,12 @@ class Tuning:
     layer's weight first and holds them all (weight-only W8, eight 1024 x 1024 layers at batch
     1: 32 MiB of temporaries and 0.16x float's speed, against 4 MiB and 0.93x). jax 0.10.2's XLA
     drops the barrier, so it changes nothing there."""
+    weight_pieces: int = 128
+    """Matmuls whose output is smaller than their weight (few rows) and that multiply a float
+    dequantized weight (weight-only, or grouped scales) dequantize it this many contracted rows
+    at a time in a loop, in cache, instead of writing the whole float weight out on every call
+    (0: whole). Measured interleaved at batch 1 to 128 on jax 0.10.2 and 0.12: 128 rows beat 64
+    and 256 at every size, and the whole weight at every size from 512 x 512."""
     s8_dot: bool = True
     """The platform's int8 x int8 -> int32 dot gives exact sums. XLA:GPU's did not for some
     shapes (jax 0.11.2 on an H200: a contraction of 3 run by cuBLAS, an 18 x 16 x 8 dot fused
@@ -89,6 +95,7 @@ GPU = Tuning(
     s8_pad_single_row=False,
     s8_conv=False,
     s8_dot=False,
+    weight_pieces=0,
 )
 """The entry on a GPU (any jax version). ``s8_conv`` and ``s8_dot`` are facts (seen on an H100 and
 an H200 with jax 0.11.2); the rest is not measured (the one-row routes above work around XLA:CPU
