@@ -387,3 +387,15 @@ def test_an_attention_product_says_how_it_is_quantized_in_a_table_that_stays_nar
     lines = str(qf.report()).splitlines()
     (quantized,) = [line for line in lines if line.startswith("Q/")]
     assert quantized.endswith("quantized") and len(quantized) < 150  # (was padded to 320)
+
+
+def test_a_typed_prng_key_among_the_params_is_counted():
+    """``jax.random.key`` in the params (an NNX model with Dropout keeps one in its state) made
+    ``report()`` fail: numpy cannot convert a key array. Its 8 bytes count like any leaf's."""
+    f = lambda p, x: x @ p["w"] + 0.01 * jax.random.normal(p["key"], (x.shape[0], 64))
+    params = {"w": W0, "key": jax.random.key(0)}
+    qf = jaxq.quantize(f, params, calibration=[(x,) for x in X], progress=False)
+    report = qf.report(sample=(X[0],))
+    consts = sum(c.nbytes for c in qf.specialize(X[0]).jaxpr.consts)  # (jax.random's own)
+    assert report.param_bytes == qf.params["w"].nbytes + 8 + consts
+    assert report.layers[0].status == "quantized"

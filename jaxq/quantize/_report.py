@@ -233,10 +233,14 @@ def _float_param(state: Any, name: str) -> str | None:
 
 def param_bytes(program: Program, params: Any = None) -> int:
     """Bytes of the program's constants plus those of ``params`` (QArrays count what they store)."""
-    consts = sum(np.asarray(c).nbytes for c in program.jaxpr.consts if hasattr(c, "shape"))
-    leaves = jax.tree.leaves(params, is_leaf=is_qarray)
-    stored = sum(x.nbytes if isinstance(x, QArray) else np.asarray(x).nbytes for x in leaves)
-    return int(consts + stored)
+    consts = sum(_nbytes(c) for c in program.jaxpr.consts if hasattr(c, "shape"))
+    return int(consts + sum(_nbytes(x) for x in jax.tree.leaves(params, is_leaf=is_qarray)))
+
+
+def _nbytes(x: Any) -> int:
+    """What ``x`` stores: arrays (typed PRNG keys too, which numpy cannot convert), QArrays, and
+    Python scalars as numpy stores them."""
+    return int(x.nbytes) if hasattr(x, "nbytes") else np.asarray(x).nbytes
 
 
 def sqnr_db(reference: Any, approx: Any) -> float:
