@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from jax.ad_checkpoint import checkpoint_name
 from strategies import examples
 
 import jaxq
@@ -1361,3 +1362,56 @@ def test_few_rows_dequantize_their_weights_in_pieces(config):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
     sim = Q(f, params, calibration=[(x,)], config=config, mode="simulate", progress=False)
     np.testing.assert_allclose(got, sim(x), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+VALUE_KEEPING = {
+    "stop_gradient": jax.lax.stop_gradient,
+    "with_sharding_constraint": lambda w: jax.lax.with_sharding_constraint(
+        w, jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    ),
+    "device_put": jax.device_put,
+    "optimization_barrier": jax.lax.optimization_barrier,
+    "checkpoint_name": lambda w: checkpoint_name(w, "kernel"),
+}
+
+
+@pytest.mark.parametrize("op", VALUE_KEEPING.values(), ids=VALUE_KEEPING.keys())
+def test_a_weight_through_a_value_keeping_equation_is_quantized(op):
+    """A frozen layer (stop_gradient), a sharding constraint, device_put, a barrier or a remat
+    name between a param and its matmul left the weight float, its report saying "no weight
+    operand" (found by a helper). Quantized like the bare weight; QAT keeps the op's meaning."""
+    w = P["dense"][0]["kernel"]
+    bare = Q(lambda p, x: x @ p["w"], {"w": w}, calibration=BATCHES, progress=False)
+    f = lambda p, x: x @ op(p["w"])
+    qf = Q(f, {"w": w}, calibration=BATCHES, progress=False)
+    assert isinstance(qf.params["w"], QArray)
+    assert qf.report().layers[0].param == "['w']"
+    np.testing.assert_array_equal(jax.jit(qf.apply)(qf.params, X), bare(X))
+    qs = Q(f, {"w": w}, calibration=BATCHES, mode="simulate", progress=False)
+    g = jax.grad(lambda p: qs.apply(p, X).sum())({"w": w})["w"]
+    assert (np.abs(g).max() == 0) == (op is jax.lax.stop_gradient)
+
+
+def test_a_bfloat16_layer_simulates_the_integers_realize_computes():
+    """Simulate rounded a bf16 layer's fake-quantized weight (codes x scales) to bf16 before its
+    f32 product, so 45% of outputs differed from realize's by a bf16 ulp (a helper); the
+    weight's simulated value is now the f32 one realize's integer sums stand for. (Op by op:
+    under jit, XLA:CPU divides by a scalar as a multiply by its reciprocal, which moves a code
+    at a near-tie, and drops f32 -> bf16 -> f32 round trips, excess precision it allows.)"""
+    rng = np.random.default_rng(13)
+    p = {"w": jnp.asarray(rng.normal(size=(32, 32)) / np.sqrt(32), jnp.bfloat16)}
+    xs = [(jnp.asarray(rng.normal(size=(8, 32)), jnp.bfloat16),) for _ in range(3)]
+    f = lambda p, x: x @ p["w"]
+    qf = Q(f, p, calibration=xs, progress=False)
+    qs = Q(f, p, calibration=xs, mode="simulate", progress=False)
+    np.testing.assert_array_equal(qs.apply(p, xs[0][0]), qf.apply(qf.params, xs[0][0]))
+
+
+def test_an_empty_weight_stays_float_with_its_reason():
+    """A (16, 0) param in a matmul (an empty head) failed annotate with a ZeroDivisionError."""
+    p = {"w": P["dense"][0]["kernel"], "empty": np.zeros((12, 0), np.float32)}
+    f = lambda p, x: jnp.concatenate([x @ p["w"], x @ p["empty"]], axis=1)
+    qf = Q(f, p, calibration=BATCHES, progress=False)
+    assert isinstance(qf.params["w"], QArray) and not isinstance(qf.params["empty"], QArray)
+    assert "size-0" in qf.report().layers[-1].status
+    np.testing.assert_array_equal(qf(X)[:, 16:], np.zeros((len(X), 0)))

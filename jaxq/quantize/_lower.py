@@ -303,10 +303,15 @@ class Engine:
         QArray), so QAT trains the function realize runs."""
         w = jnp.asarray(ref.value)
         site = self.sites.get(plan.site) or self.state.sites[plan.site]
-        w_site = to_site(to_leaf(w, ref.chain), plan.chain)
-        qw = traced_qweight(w_site, site, self.state.config.weight_calibration)
-        fq = fake_quant_weight(w_site, qw, site)
-        return to_site(to_leaf(fq, plan.chain), ref.chain).astype(w.dtype)
+
+        def deployed(leaf: Any) -> Any:  # (one layer's slice of a stacked leaf: its own scales)
+            w_site = to_site(leaf, plan.chain)
+            qw = traced_qweight(w_site, site, self.state.config.weight_calibration)
+            return to_leaf(fake_quant_weight(w_site, qw, site), plan.chain)
+
+        leaf = to_leaf(w, ref.chain)
+        fq = jax.vmap(deployed)(leaf) if plan.layers and not ref.layers else deployed(leaf)
+        return to_site(fq, ref.chain).astype(w.dtype)
 
     def plain(self, v: Any) -> Any:
         """A value as an array at a loop's boundary (int8 codes dequantized, weights as floats)."""
@@ -360,8 +365,14 @@ class Engine:
         if any(isinstance(v, WeightRef) for v in invals):
             ref = invals[0]
             if visit.primitive in CHAIN and len(invals) == 1 and isinstance(ref, WeightRef):
-                value = chain_value(ref.value, visit.primitive, visit.params, visit.bind)
-                return ref.then(visit.primitive, visit.params, value)
+                many = visit.eqn.primitive.multiple_results  # (a barrier of the weight alone)
+                bind = (lambda v: visit.bind(v)[0]) if many else visit.bind
+                out = ref.then(
+                    visit.primitive,
+                    visit.params,
+                    chain_value(ref.value, visit.primitive, visit.params, bind),
+                )
+                return [out] if many else out
             out = visit.bind(*(self.coerce(v) for v in invals))
             leaf = next(v.leaf for v in invals if isinstance(v, WeightRef))
             for o in out if visit.eqn.primitive.multiple_results else [out]:  # (split: each)
@@ -960,8 +971,9 @@ def simulate_handler(state: QState) -> SiteHandler:
         narrow = any(_half(v) for v in (*invals, *visit.eqn.outvars))
         wide = narrow and scheme is not None and site.primitive in _WIDE
         if qw is not None:  # (None: the weight is a quantized param's value already)
-            w_fq = fake_quant_weight(invals[wi], qw, site)
-            new[wi] = w_fq.astype(jnp.float32 if wide else jnp.asarray(invals[wi]).dtype)
+            w = invals[wi]  # (wide: its codes times scales not rounded to 16 bits, as realize)
+            w_fq = fake_quant_weight(w.astype(np.float32) if wide else w, qw, site)
+            new[wi] = w_fq.astype(jnp.float32 if wide else jnp.asarray(w).dtype)
         elif wide:
             new[wi] = jnp.asarray(invals[wi]).astype(jnp.float32)
         if scheme is not None:

@@ -31,9 +31,22 @@ from jaxq.quantize._qarray import (
     unpack_int4,
 )
 
-CHAIN = ("convert_element_type", "transpose", "rev", "copy", "copy_p")
+CHAIN = (
+    "convert_element_type",
+    "transpose",
+    "rev",
+    "copy",
+    "copy_p",
+    "stop_gradient",
+    "sharding_constraint",
+    "device_put",
+    "optimization_barrier",
+    "name",
+)
 """Equations a weight may pass through between its param leaf and its layer (``rev``: the
-flipped kernel of a ``ConvTranspose(transpose_kernel=True)``)."""
+flipped kernel of a ``ConvTranspose(transpose_kernel=True)``; the last five keep the value:
+a frozen layer, ``with_sharding_constraint``, ``device_put``, a barrier, ``checkpoint_name``).
+Realize drops the last four on the codes (the quantized params carry their own shardings)."""
 
 
 @dataclasses.dataclass(frozen=True)

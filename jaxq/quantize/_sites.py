@@ -157,6 +157,9 @@ def make_site(
     in_loop: bool,
     layers: int = 0,
 ) -> Site | str:
+    shapes = [shaped_aval(v).shape for v in (*visit.eqn.invars, *visit.eqn.outvars)]
+    if any(isinstance(d, int) and d == 0 for shape in shapes for d in shape):
+        return "an empty operand or output (a size-0 axis): nothing to quantize"
     if visit.primitive in ELEMENTWISE:
         geo = _elementwise_geometry(visit, wi, weights)
     elif visit.primitive in EMBEDDING:

@@ -45,6 +45,11 @@ FOLDABLE = (
     "rev",
     "concatenate",
     "reduce_precision",
+    "stop_gradient",
+    "sharding_constraint",
+    "device_put",
+    "optimization_barrier",
+    "name",
 )
 INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2")
 """Calls the quantization phases evaluate in place, so the layers inside are found and quantized
