@@ -125,9 +125,13 @@ class OffloadedFunction:
             parts = Sequential(passes, name="offload")(program)
             left = _left_behind(parts)
             if left:
+                named = "; ".join(
+                    f"{why}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                    for why, names in sorted(left.items())
+                )
                 warn(
-                    f"offload: {sum(left.values())} equation(s) stay with XLA, which "
-                    f"{self.backend!r} cannot run: {dict(sorted(left.items()))}",
+                    f"offload: {sum(map(len, left.values()))} equation(s) stay with XLA, which "
+                    f"{self.backend!r} cannot run ({named})",
                     OffloadWarning,
                 )
             codegen = functools.partial(onnx_codegen, exact=self.exact)
@@ -153,16 +157,19 @@ class OffloadedFunction:
         return f"OffloadedFunction({self.backend!r}, {self.qf!r})"
 
 
-def _left_behind(parts: Program) -> dict[str, int]:
-    """Primitive -> how many equations of it run outside every region (on XLA), not counting
-    the region calls themselves and layout-only glue."""
+def _left_behind(parts: Program) -> dict[str, list[str]]:
+    """Why -> the names of the equations that run outside every region (on XLA) for that
+    reason, not counting the region calls themselves and layout-only glue."""
     inside = {r.name for r in regions(parts)}
     glue = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
-    out: dict[str, int] = {}
-    for e in parts.jaxpr.jaxpr.eqns:
-        if C.call_name(e) in inside or e.primitive.name in glue:
-            continue
-        out[e.primitive.name] = out.get(e.primitive.name, 0) + 1
+    out: dict[str, list[str]] = {}
+    for path, name, _, e in parts.walk_names():
+        if len(path) > 1 or C.call_name(e) in inside or e.primitive.name in glue:
+            continue  # (top level only: a call's own equations go where the call goes)
+        whys = sorted(unsupported_onnx_equation(e))  # (primitive names, or why in words)
+        why = ", ".join(w if " " in w else f"no ONNX rule for {w}" for w in whys)
+        why = why or "outside any region"
+        out.setdefault(why, []).append(name)
     return out
 
 

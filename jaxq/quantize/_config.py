@@ -51,7 +51,9 @@ class Scheme:
       granularity: one scale per ``"tensor"``, per output ``"channel"`` (weights), per ``"group"``
         of ``group_size`` consecutive contraction elements and output channel (weights), or per
         ``"token"`` (activations, computed at run time: under ``QConfig(dynamic=True)``, or in
-        a Rule for the layers it matches). A matmul weight's ``"channel"`` scales run along
+        a Rule for the layers it matches; a matmul's rows, a convolution's samples, as its
+        windows sum over positions that one scale per position could not factor out of). A
+        matmul weight's ``"channel"`` scales run along
         every axis it does not contract: its several matrices along batch axes of the
         ``dot_general`` (experts in ``einsum("ebd,edf->ebf")``, a weight under ``vmap``) and
         several output axes (a ``DenseGeneral``'s heads) each get their own; a stack of weights
