@@ -1329,6 +1329,7 @@ PIECE_CONFIGS = {
         weights=Scheme(bits=4, granularity="group", group_size=128, symmetric=False),
     ),
     "w4a8": QConfig(weights=Scheme(bits=4)),
+    "w8a8": QConfig(),
     "w8a8-group": QConfig(weights=Scheme(granularity="group", group_size=64)),
 }
 
@@ -1339,16 +1340,17 @@ def test_few_rows_dequantize_their_weights_in_pieces(config):
     """At batch 1, a float-dequantized weight (weight-only, groups) was written out whole on
     every call (4096 x 4096: 0.1x float's speed); it is now dequantized 128 contracted rows at a
     time in a loop. Kernels [in, out] and [out, in] (x @ w.T), int4 packed along the contracted
-    axis evenly (512), unevenly (384: unpacked), and along another axis; the outputs are those
-    of the whole weight (exact integer sums carried in f32 stay exact: equal)."""
+    axis evenly (1024), unevenly (384: unpacked), and along another axis; the outputs are those
+    of the whole weight, and exact integer sums stay exact (equal): carried in f32, or where
+    1024 int8 products could pass 2**24 (W8A8), each piece's added in int32."""
     rng = np.random.default_rng(12)
     params = {
-        "w1": rng.normal(size=(512, 384)).astype(np.float32) / 20,
+        "w1": rng.normal(size=(1024, 384)).astype(np.float32) / 30,
         "w2": rng.normal(size=(384, 512)).astype(np.float32) / 20,
         "wt": rng.normal(size=(256, 512)).astype(np.float32) / 20,
     }
     f = lambda p, x: (jax.nn.gelu(x @ p["w1"]) @ p["w2"]) @ p["wt"].T
-    x = rng.normal(size=(1, 512)).astype(np.float32)
+    x = rng.normal(size=(1, 1024)).astype(np.float32)
     qf = Q(f, params, calibration=[(x,)], config=config, progress=False)
     whole = dataclasses.replace(Q.tuning(platform="cpu"), weight_pieces=0)
     with PassContext(config={"quantize.tuning": whole}):

@@ -194,14 +194,15 @@ def _int_dot(
     a: jax.Array,
     sa: Any,
     za: Any,
-    exact_f32: bool,
+    bound: int,
     nan_rows: bool,
     dn: Any = None,
 ) -> tuple[jax.Array, Any, bool]:
     """Accumulator of ``sum((qa - za)(qw - zw))`` (int32, or exact integers in f32 for one row),
     the float scale of each output, and whether rows holding NaN or Inf already come out NaN
-    (f32 codes carry NaN through the dot: no separate mask is needed). ``dn``: the dimension
-    numbers to compute with (default: the equation's)."""
+    (f32 codes carry NaN through the dot: no separate mask is needed). ``bound``: of any sum
+    (:func:`_check_overflow`); ``dn``: the dimension numbers to compute with (default: the
+    equation's)."""
     dn = visit.params["dimension_numbers"] if dn is None else dn
     (lc, rc), (lb, rb) = dn
     wi = site.weight_index
@@ -215,18 +216,20 @@ def _int_dot(
     a_free = [d for d in range(len(a_shape)) if d not in a_contract and d not in (lb, rb)[ai]]
     tune = current_tuning()
     few = few_rows(a_shape, a_contract, tune.float_carry_max_rows)
-    if few and exact_f32:
+    rows = _pieces(visit, site, qw) if dn == visit.params["dimension_numbers"] else None
+    # (a piece's sums stay below 2**24 where whole rows' may not: each is added in int32 then)
+    by_piece = rows is not None and rows * 2 ** (site.weights.bits + scheme.bits) < 2**24
+    if few and (bound < 2**24 or by_piece):
         # exact integer sums carried in f32 (where this XLA's s8 kernel is slow for so few rows)
         # (the zero point is subtracted from the codes first: still integers, and no correction)
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
         if not (scheme.symmetric and scheme.signed):
             qa = qa - (za_s.astype(np.float32) if _host(za_s) else za_s.astype(jnp.float32))
-        native = nan_rows and not isinstance(a, QTensor)
+        native = nan_rows and not isinstance(a, QTensor) and bound < 2**24
         if native:  # a NaN code makes its whole row of sums NaN (no reduction, fused)
             qa = jnp.where(jnp.isfinite(a), qa, jnp.float32(jnp.nan))
-        rows = _pieces(visit, site, qw) if dn == visit.params["dimension_numbers"] else None
-        if rows is not None:  # (sums of pieces: integers below 2**24 as well, so still exact)
-            acc = _piecewise_dot(visit, site, qw, qa, rows, codes_only=True)
+        if by_piece:
+            acc = _piecewise_dot(visit, site, qw, qa, rows or 0, int_sums=bound >= 2**24)
         else:
             wf = codes_of().astype(jnp.float32)
             acc = lax.dot_general(
@@ -559,11 +562,17 @@ def _pieces(visit: Visit, site: Site, qw: QWeight) -> int | None:
 
 
 def _piecewise_dot(
-    visit: Visit, site: Site, qw: QWeight, x: Any, rows: int, codes_only: bool = False
+    visit: Visit,
+    site: Site,
+    qw: QWeight,
+    x: Any,
+    rows: int,
+    int_sums: bool | None = None,
 ) -> jax.Array:
     """``dot_general(x, dequantized weight)`` as a loop over pieces of ``rows`` contracted rows,
     each dequantized (unpacked, converted, scaled) in cache and multiplied into an f32 sum; with
-    ``codes_only``, the codes themselves in f32 (exact integer sums, see :func:`_int_dot`). A
+    ``int_sums`` set, the codes themselves in f32 (exact integer sums, see :func:`_int_dot`),
+    each piece's added in int32 where ``int_sums`` is True (the whole may pass 2**24). A
     weight converted whole is written out and read back on every call: weight-only 4096 x 4096
     at batch 1 ran at 0.08-0.16x float's speed that way, and at 0.9-1.2x in pieces of 128 rows
     (interleaved, jax 0.10.2 and 0.12; 4096 -> 1024: 1.5-1.9x)."""
@@ -596,15 +605,16 @@ def _piecewise_dot(
 
     def dot(q: Any, start: Any) -> jax.Array:  # codes of rows start.. -> their product
         w = q.astype(jnp.float32)
-        if not codes_only:
+        if int_sums is None:
             if zp is not None:
                 w = w - piece_of(zp, start)
             w = (w * piece_of(scale, start)).astype(w_dtype)
         xs = lax.dynamic_slice_in_dim(x, start, rows, ka)
         ops = (xs, w) if wi == 1 else (w, xs)
-        return lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
+        y = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
+        return y.astype(jnp.int32) if int_sums else y
 
-    out = jnp.zeros(shaped_aval(visit.eqn.outvars[0]).shape, jnp.float32)
+    out = jnp.zeros(shaped_aval(visit.eqn.outvars[0]).shape, jnp.int32 if int_sums else jnp.float32)
     if halves:
 
         def body(i: Any, acc: jax.Array) -> jax.Array:
@@ -769,12 +779,10 @@ def realize_handler(state: QState) -> SiteHandler:
                 dn, swap = _swapped(visit)
                 acc, scale, nan_rows = _int_dot(
                     visit, dataclasses.replace(site, weight_index=1), qw, a, sa, za,
-                    bound < 2**24, config.nan_rows, dn=dn,
+                    bound, config.nan_rows, dn=dn,
                 )  # fmt: skip
             else:
-                acc, scale, nan_rows = _int_dot(
-                    visit, site, qw, a, sa, za, bound < 2**24, config.nan_rows
-                )
+                acc, scale, nan_rows = _int_dot(visit, site, qw, a, sa, za, bound, config.nan_rows)
         else:
             acc, scale = _int_conv(visit, site, qw, a, sa, za, bound < 2**24, site.name in pooled)
             nan_rows = False
