@@ -868,6 +868,8 @@ def quantize(
         2048 values in a 4-layer MLP; 5e-4 relative on a 3-layer GPT's logits). Under
         ``QConfig(requantize="fixed_point")`` realize rounds each output code the integer way
         (see there), so a few output codes of one layer differ by one step from simulate's.
+        Under ``jax.jit``, XLA divides by a scale as a multiply by its reciprocal, so a code on
+        a rounding boundary can move by one step between a jitted call and an eager one too.
         A realized function has no derivative where it rounds activations (``jax.grad``
         raises); a weight-only one differentiates in its inputs as the float function on the
         dequantized weights.

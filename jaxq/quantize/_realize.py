@@ -610,8 +610,8 @@ def _piecewise_dot(
                 w = w - piece_of(zp, start)
             w = (w * piece_of(scale, start)).astype(w_dtype)
         xs = lax.dynamic_slice_in_dim(x, start, rows, ka)
-        ops = (xs, w) if wi == 1 else (w, xs)
-        y = lax.dot_general(*ops, dn, preferred_element_type=jnp.float32)
+        lhs, rhs = (xs, w) if wi == 1 else (w, xs)
+        y = lax.dot_general(lhs, rhs, dn, preferred_element_type=jnp.float32)
         return y.astype(jnp.int32) if int_sums else y
 
     out = jnp.zeros(shaped_aval(visit.eqn.outvars[0]).shape, jnp.int32 if int_sums else jnp.float32)
@@ -792,9 +792,7 @@ def realize_handler(state: QState) -> SiteHandler:
         if swap is not None and bad is not None and bad.ndim:
             bad = jnp.transpose(bad, [int(d) for d in np.argsort(swap)])
         out = state.act.get(site.name + ":out")
-        size = shaped_aval(visit.eqn.outvars[0]).size
-        empty = isinstance(size, int) and size == 0  # (no output to requantize, nor a scale)
-        if config.requantize == "fixed_point" and not empty:
+        if config.requantize == "fixed_point":
             if out is None:
                 raise QuantizeError(
                     f"realize: requantize='fixed_point' needs the output scale of {site.name!r}; "
