@@ -7,7 +7,7 @@ the same s8 dot). This script measures each choice on the shapes that decide it,
 timed round by round on the same inputs (paired ratios: median of per-round time / float time),
 and prints the ``jaxq.quantize.tuning`` entry the measurements imply next to the one in use:
 
-    python benchmarks/bench_kernels.py [--json PATH] [--reps 60]
+    python benchmarks/bench_kernels.py [--json PATH] [--reps 60] [--models-only | --pieces-only]
 
 The table in ``jaxq/quantize/_tuning.py`` holds one entry per jaxlib version, chosen at import;
 paste a new version's printed entry there.
@@ -16,6 +16,7 @@ paste a new version's printed entry there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -184,8 +185,51 @@ def one_row_models(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
                 else:
                     qf = jaxq.quantize(mlp, params, calibration=calib, progress=False)
                     fs[route] = (jax.jit(qf.apply), (qf.params, x1))
-                qf.specialize(x1)  # (realized by this route now, not at the first timed call)
+                # (traced by this route now: jit's cache keeps that program; traced at the first
+                # timed call, outside this context, every route ran the table's own entry)
+                fs[route][0](*fs[route][1])
         rows.append({"op": "model", "shape": f"mlp {style} b1", "m": 1, **paired(fs, 5 * reps)})
+    return rows
+
+
+PIECES = (0, 64, 128, 256)
+"""Candidate ``Tuning.weight_pieces``: contracted rows dequantized per loop turn (0: whole)."""
+
+
+def weight_pieces(rng: np.random.Generator, reps: int) -> list[dict[str, Any]]:
+    """Two weight-only W8 transformer MLP blocks (``x + gelu(x @ w1) @ w2``, weights as params)
+    at a few rows, realized with each candidate ``weight_pieces``, timed against float. (A lone
+    layer does not show it: XLA converts its weight as fast either way.)"""
+    rows = []
+    for d, h in ((768, 3072), (2048, 8192)):
+        params = [
+            {
+                "w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+                "w2": (rng.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32),
+            }
+            for _ in range(2)
+        ]
+
+        def f(params: list[Any], x: jax.Array) -> jax.Array:
+            for p in params:
+                x = x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+            return x
+
+        for m in (1, 8, 64):
+            x = rng.normal(size=(m, d)).astype(np.float32)
+            fs: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+                "float": (jax.jit(f), (jax.device_put(params), x))
+            }
+            for pieces in PIECES:
+                tune = dataclasses.replace(tuning(), weight_pieces=pieces)
+                with PassContext(config={"quantize.tuning": tune}):
+                    config = jaxq.QConfig(activations=None)
+                    qf = jaxq.quantize(f, params, example_args=(x,), config=config, progress=False)
+                    run = jax.jit(qf.apply)
+                    run(qf.params, x)  # (traced with this entry: jit's cache keeps that program)
+                fs[f"pieces {pieces}"] = (run, (qf.params, x))
+            shape = f"{m}x{d}, {d}->{h}->{d} x2"
+            rows.append({"op": "w8", "shape": shape, "m": m, **paired(fs, reps)})
     return rows
 
 
@@ -212,11 +256,13 @@ def implied(rows: list[dict[str, Any]]) -> dict[str, Any]:
         )
 
     conv = [r for r in rows if r["op"] == "conv"]
+    w8 = [r for r in rows if r["op"] == "w8"]
     return {
         "float_carry_max_rows": carry,
         "s8_pad_single_row": pad,
         "s8_conv_min_channels": channels([r for r in conv if not r.get("pool")]),
         "s8_pooled_conv_min_channels": channels([r for r in conv if r.get("pool")]),
+        "weight_pieces": min(PIECES, key=lambda c: (_cost(w8, lambda r: f"pieces {c}"), c)),
     }
 
 
@@ -225,20 +271,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--json", default=None)
     ap.add_argument("--models-only", action="store_true", help="only the one-row models")
+    ap.add_argument("--pieces-only", action="store_true", help="only the weight-only pieces")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
-    rows = one_row_models(rng, args.reps)
-    if not args.models_only:
-        rows += dots(rng, args.reps) + convs(rng, args.reps)
+    if args.pieces_only:
+        rows = weight_pieces(rng, args.reps)
+    else:
+        rows = one_row_models(rng, args.reps)
+        if not args.models_only:
+            rows += dots(rng, args.reps) + convs(rng, args.reps) + weight_pieces(rng, args.reps)
     print(f"jax {jax.__version__}, jaxlib {jax.lib.__version__}; time / float time, paired medians")
     print(f"{'op':<6}{'shape':<26}{'float ms':>10}{'s8':>8}{'f32 carry':>11}{'s8 2 rows':>11}")
-    for r in rows:
+    for r in (r for r in rows if r["op"] != "w8"):
         dup = f"{r['s8 2 rows']['ratio']:>11.2f}" if "s8 2 rows" in r else ""  # (one row)
         print(
             f"{r['op']:<6}{r['shape']:<26}{r['float']['ms']:>10.3f}{r['s8']['ratio']:>8.2f}"
             f"{r['f32 carry']['ratio']:>11.2f}{dup}"
         )
+    w8 = [r for r in rows if r["op"] == "w8"]
+    if w8:
+        print(f"\nweight-only W8, by Tuning.weight_pieces\n{'shape':<26}{'float ms':>10}", end="")
+        print("".join(f"{c:>8}" for c in PIECES))
+        for r in w8:
+            ratios = "".join(f"{r[f'pieces {c}']['ratio']:>8.2f}" for c in PIECES)
+            print(f"{r['shape']:<26}{r['float']['ms']:>10.3f}{ratios}")
     entry = implied(rows)
+    if args.pieces_only:  # (the other fields have no measurements behind them)
+        entry = {"weight_pieces": entry["weight_pieces"]}
     print(f"\nimplied entry: {entry}")
     print(f"in use:        {tuning()}")
     out = {"jax": jax.__version__, "rows": rows, "implied": entry}
