@@ -573,9 +573,9 @@ def _piecewise_dot(
     each dequantized (unpacked, converted, scaled) in cache and multiplied into an f32 sum; with
     ``int_sums`` set, the codes themselves in f32 (exact integer sums, see :func:`_int_dot`),
     each piece's added in int32 where ``int_sums`` is True (the whole may pass 2**24). A
-    weight converted whole is written out and read back on every call: weight-only 4096 x 4096
-    at batch 1 ran at 0.08-0.16x float's speed that way, and at 0.9-1.2x in pieces of 128 rows
-    (interleaved, jax 0.10.2 and 0.12; 4096 -> 1024: 1.5-1.9x)."""
+    weight converted whole is written out and read back on every call: two weight-only
+    2048 -> 8192 -> 2048 blocks at batch 1 ran at 0.39x float's speed that way, 1.26x in pieces
+    of 128 rows (jax 0.12; the table in docs/quantize.md)."""
     wi = site.weight_index
     dn = visit.params["dimension_numbers"]
     (lc, rc), _ = dn
@@ -640,15 +640,12 @@ def _weight_only(visit: Visit, site: Site, qw: QWeight, invals: list[Any]) -> ja
     convolution's kernel is small) the weight is dequantized as simulated."""
     wi = site.weight_index
     new = list(invals)
-    rows = _pieces(visit, site, qw)
-    if rows is not None:
-        return _piecewise_dot(visit, site, qw, invals[1 - wi], rows)
     symmetric = not _nonzero(qw.zero_point) and site.weights.granularity != "group"
     out_size = shaped_aval(visit.eqn.outvars[0]).size  # (symbolic under a polymorphic export:
     out_smaller = isinstance(out_size, int) and out_size < qw.codes.size  # any size, so large)
-    if not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
-        new[wi] = _dequantized_weight(visit, site, qw, invals[1 - wi])
-        return visit.bind(*new)
+    pieces = _pieces(visit, site, qw) is not None
+    if pieces or not (symmetric and out_smaller) or site.primitive not in QUANTIZABLE:
+        return _dequantized_op(visit, site, qw, invals)
     new[wi] = weight_codes(qw, invals[1 - wi]).astype(shaped_aval(visit.eqn.invars[wi]).dtype)
     y = visit.bind(*new).astype(jnp.float32)
     scale = qw.scale
