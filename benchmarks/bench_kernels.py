@@ -257,13 +257,15 @@ def implied(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     conv = [r for r in rows if r["op"] == "conv"]
     w8 = [r for r in rows if r["op"] == "w8"]
-    return {
+    entry = {
         "float_carry_max_rows": carry,
         "s8_pad_single_row": pad,
         "s8_conv_min_channels": channels([r for r in conv if not r.get("pool")]),
         "s8_pooled_conv_min_channels": channels([r for r in conv if r.get("pool")]),
-        "weight_pieces": min(PIECES, key=lambda c: (_cost(w8, lambda r: f"pieces {c}"), c)),
     }
+    if w8:
+        entry["weight_pieces"] = min(PIECES, key=lambda c: (_cost(w8, lambda r: f"pieces {c}"), c))
+    return entry
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
