@@ -218,8 +218,9 @@ def _int_dot(
     few = few_rows(a_shape, a_contract, tune.float_carry_max_rows)
     rows = _pieces(visit, site, qw) if dn == visit.params["dimension_numbers"] else None
     # (a piece's sums stay below 2**24 where whole rows' may not: each is added in int32 then)
-    by_piece = rows is not None and rows * 2 ** (site.weights.bits + scheme.bits) < 2**24
-    if few and (bound < 2**24 or by_piece):
+    if rows is not None and rows * 2 ** (site.weights.bits + scheme.bits) >= 2**24:
+        rows = None
+    if few and (bound < 2**24 or rows is not None):
         # exact integer sums carried in f32 (where this XLA's s8 kernel is slow for so few rows)
         # (the zero point is subtracted from the codes first: still integers, and no correction)
         qa, za_s = _quantize_act(a, scheme, sa, za, jnp.float32)
@@ -228,8 +229,8 @@ def _int_dot(
         native = nan_rows and not isinstance(a, QTensor) and bound < 2**24
         if native:  # a NaN code makes its whole row of sums NaN (no reduction, fused)
             qa = jnp.where(jnp.isfinite(a), qa, jnp.float32(jnp.nan))
-        if by_piece:
-            acc = _piecewise_dot(visit, site, qw, qa, rows or 0, int_sums=bound >= 2**24)
+        if rows is not None:
+            acc = _piecewise_dot(visit, site, qw, qa, rows, int_sums=bound >= 2**24)
         else:
             wf = codes_of().astype(jnp.float32)
             acc = lax.dot_general(

@@ -17,6 +17,7 @@ from jaxq import _compat as C
 from jaxq._program import Program
 from jaxq.quantize._config import QConfig, Scheme
 from jaxq.quantize._params import (
+    CHAIN,
     LeafPlan,
 )
 
@@ -32,25 +33,17 @@ where a Rule names them in ``primitives``, one scale per row, dequantized after 
 OPT_IN = (*ELEMENTWISE, *EMBEDDING)
 """Primitives quantized only where a Rule names them: weights only, no activation scheme."""
 FOLDABLE = (
-    "transpose",
+    *CHAIN,
     "reshape",
-    "convert_element_type",
     "broadcast_in_dim",
     "squeeze",
     "expand_dims",
-    "copy",
-    "copy_p",
     "slice",
     "split",
-    "rev",
     "concatenate",
     "reduce_precision",
-    "stop_gradient",
-    "sharding_constraint",
-    "device_put",
-    "optimization_barrier",
-    "name",
 )
+"""Equations the phases follow a weight through (the chain) or note a param's value after."""
 INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2")
 """Calls the quantization phases evaluate in place, so the layers inside are found and quantized
 like any other. Remat (``jax.checkpoint``, Flax ``nn.remat``) too: the quantized program then
