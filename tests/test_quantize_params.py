@@ -1080,6 +1080,23 @@ def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, p
     assert f"reaches it through {primitive}" in layer.status and "outside f" in layer.status
 
 
+@pytest.mark.parametrize("attention", [None, Scheme(granularity="token")])
+def test_complex_matmuls_stay_float_and_say_why(attention):
+    """An S4D / S5 layer multiplies complex values: int8 codes hold real ones. With
+    ``attention=`` set, the complex x complex product was quantized as two activations and lost
+    its imaginary part (relative error 1.0); a complex param was reported as "no weight operand"."""
+    w = (P["dense"][0]["kernel"] * (1 + 0.5j)).astype(np.complex64)
+    params = {"w": w, "v": P["dense"][1]["weight"]}
+
+    def f(p, x):
+        h = (x * jnp.exp(0.3j * x)) @ p["w"]
+        return h.imag @ p["v"], h.real
+
+    qf = Q(f, params, calibration=BATCHES, config=QConfig(attention=attention), progress=False)
+    np.testing.assert_array_equal(qf(X)[1], f(params, X)[1])  # (the float layer, unchanged)
+    cplx, real = qf.report().layers
+    assert cplx.status.startswith("complex operands: stays float") and real.status == "quantized"
+
 def test_calibration_in_the_wrong_form_says_what_a_batch_is():
     with pytest.raises(TypeError, match="iterable of argument tuples.*wrap each batch"):
         Q(model, P, calibration=X, progress=False)

@@ -135,6 +135,7 @@ DERIVED = (
 """Equations whose result, computed from a param, is noted as derived from it: elementwise ones
 and reductions (a weight normalized in f: weight standardization, Flax's WeightNorm). ``add``
 and ``mul`` are opt-in sites and note it themselves."""
+COMPLEX_REASON = "complex operands: stays float (int8 codes hold real values)"
 UNFOLLOWED = "its weight, params"
 """How the reason of a layer whose weight param reaches it through an equation quantization
 does not follow (a reshape) begins."""
@@ -666,6 +667,9 @@ class Engine:
                 self.skipped[name] = (
                     f"skipped by rules[{rule}]" if rule is not None else "weights=None"
                 )
+            return bind_float()
+        if any(jnp.iscomplexobj(shaped_aval(v)) for v in visit.eqn.invars):
+            self.skipped[name] = COMPLEX_REASON
             return bind_float()
         concrete = [
             i
