@@ -187,8 +187,9 @@ def test_group_weights_with_static_activations_compute_as_simulated(symmetric):
 
 
 def test_group_granularity_from_the_config_is_per_channel_where_it_does_not_apply():
-    # a 3-D kernel (Flax DenseGeneral in attention) and a convolution: per channel, said once,
-    # while the 2-D matmul keeps its groups
+    # a 3-D kernel (Flax DenseGeneral in attention), a convolution and a matmul whose contracted
+    # size the groups do not divide (Mamba's dt_proj: it raised): per channel, said once, while
+    # the 2-D matmul keeps its groups
     k3 = (RNG.normal(size=(8, 2, 3)) * 0.3).astype(np.float32)
 
     def f(x):
@@ -196,10 +197,12 @@ def test_group_granularity_from_the_config_is_per_channel_where_it_does_not_appl
         with jax.named_scope("Heads"):
             h = jnp.einsum("bk,knd->bnd", h, k3)
         with jax.named_scope("Out"):
-            return h.reshape(h.shape[0], -1) @ W1[:6, :8]
+            h = h.reshape(h.shape[0], -1) @ W1[:6, :7]
+        with jax.named_scope("Narrow"):
+            return h @ W1[:7, :3]
 
     grouped = Scheme(bits=4, granularity="group", group_size=2)
-    with pytest.warns(UserWarning, match=r"2 layer\(s\) get one weight scale per channel.*Conv_0"):
+    with pytest.warns(UserWarning, match=r"3 layer\(s\) get one weight scale per channel.*Conv_0"):
         qf = Q(f, calibration=[(XI,)], config=QConfig(weights=grouped), progress=False)
     schemes = {r.name: r.weights for r in qf.report().layers}
     assert schemes == {
@@ -207,6 +210,7 @@ def test_group_granularity_from_the_config_is_per_channel_where_it_does_not_appl
         "CNN/Dense_0/dot_general": "int4 sym group(2)",
         "Heads/bk,knd->bnd/dot_general": "int4 sym channel",
         "Out/dot_general": "int4 sym group(2)",
+        "Narrow/dot_general": "int4 sym channel",
     }, schemes
     site = get_state(qf.program, "t").sites["Heads/bk,knd->bnd/dot_general"]
     assert site.scale_axes == (1, 2)  # (every output axis, as Rule(granularity="channel"))
@@ -517,13 +521,9 @@ def test_bad_input():
         Q(mlp, example_args=(X,))
     with pytest.raises(QuantizeError, match="16-bit weights"):
         Q(mlp, calibration=[(X,)], config=QConfig(weights=Scheme(bits=16)), progress=False)
-    with pytest.raises(QuantizeError, match="group_size=5 does not divide"):
-        Q(
-            mlp,
-            calibration=[(X,)],
-            config=QConfig(weights=Scheme(granularity="group", group_size=5)),
-            progress=False,
-        )
+    by_five = (Rule(weights=Scheme(granularity="group", group_size=5)),)
+    with pytest.raises(QuantizeError, match=r"rules\[0\]\).*or a group_size that divides 16"):
+        Q(mlp, calibration=[(X,)], config=QConfig(rules=by_five), progress=False)
     grouped = Scheme(granularity="group", group_size=2)
     with pytest.raises(QuantizeError, match=r"granularity='group' needs a 2-D weight.*rules\[0\]"):
         Q(cnn, calibration=[(XI,)], config=QConfig(rules=(Rule(weights=grouped),)), progress=False)

@@ -124,9 +124,10 @@ def annotate_program(
     if warn and engine.per_channel:
         shown = [f"{k} {list(v)}" for k, v in sorted(engine.per_channel.items())]
         _warnings.warn(
-            f"jaxq.quantize: granularity='group' applies to 2-D matmul weights; "
-            f"{len(shown)} layer(s) get one weight scale per channel instead (convolutions, "
-            f"N-D kernels such as DenseGeneral's): {', '.join(shown[:4])}"
+            f"jaxq.quantize: granularity='group' applies to 2-D matmul weights whose "
+            f"contracted size group_size divides; {len(shown)} layer(s) get one weight scale per "
+            f"channel instead (convolutions, N-D kernels such as DenseGeneral's, narrow "
+            f"layers): {', '.join(shown[:4])}"
             + (" ..." if len(shown) > 4 else "")
             + ". qf.report() shows each layer's scheme",
             UserWarning,

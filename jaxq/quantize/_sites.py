@@ -172,32 +172,29 @@ def make_site(
         return geo
     channel, contract, reduce = geo
     w_aval = shaped_aval(visit.eqn.invars[wi])
-    if weights.granularity == "group" and (
-        visit.primitive != "dot_general" or len(w_aval.shape) != 2 or len(contract) != 1
-    ):
-        ruled = None if rule is None else config.rules[rule].weights
-        if not (isinstance(ruled, Scheme) and ruled.granularity == "group"):
-            # (the config's default meets a convolution or an N-D kernel, such as a Flax
-            # DenseGeneral in attention: one scale per channel there; annotate says which)
-            weights = dataclasses.replace(weights, granularity="channel", group_size=None)
-        else:
-            raise QuantizeError(
-                f"quantize: granularity='group' needs a 2-D weight with one contracted axis "
-                f"(a matmul); {visit.name!r} (rules[{rule}]) is a {visit.primitive} with weight "
-                f"shape {tuple(w_aval.shape)}. Give it 'channel' granularity in that Rule."
-            )
     if weights.granularity == "group":
-        k = w_aval.shape[contract[0]]
-        if k % weights.group_size:
-            raise QuantizeError(
-                f"quantize: group_size={weights.group_size} does not divide the contracted size "
-                f"{k} of {visit.name!r}"
-            )
-        if config.requantize == "fixed_point":
-            raise QuantizeError(
-                f"quantize: requantize='fixed_point' cannot combine group-wise weight scales "
-                f"({visit.name!r}); use requantize='float' or granularity='channel'"
-            )
+        ruled = None if rule is None else config.rules[rule].weights
+        by_rule = isinstance(ruled, Scheme) and ruled.granularity == "group"
+        k = w_aval.shape[contract[0]] if len(contract) == 1 else 0
+        matmul = visit.primitive == "dot_general" and len(w_aval.shape) == 2 and k
+        if not matmul or k % weights.group_size:
+            if by_rule:
+                raise QuantizeError(
+                    f"quantize: granularity='group' needs a 2-D weight with one contracted axis "
+                    f"(a matmul) whose size group_size={weights.group_size} divides; "
+                    f"{visit.name!r} (rules[{rule}]) is a {visit.primitive} with weight shape "
+                    f"{tuple(w_aval.shape)}. Give it 'channel' granularity in that Rule"
+                    + ("." if not matmul else f", or a group_size that divides {k}.")
+                )
+            # (the config's default meets a convolution, an N-D kernel such as a Flax
+            # DenseGeneral in attention, or a narrow layer such as Mamba's dt_proj: one scale
+            # per channel there; annotate says which)
+            weights = dataclasses.replace(weights, granularity="channel", group_size=None)
+    if weights.granularity == "group" and config.requantize == "fixed_point":
+        raise QuantizeError(
+            f"quantize: requantize='fixed_point' cannot combine group-wise weight scales "
+            f"({visit.name!r}); use requantize='float' or granularity='channel'"
+        )
     extra: tuple[int, ...] = ()  # (a matmul's batch and other output axes: scales of their own)
     if weights.granularity == "channel" and visit.primitive == "dot_general":
         extra = tuple(d for d in range(len(w_aval.shape)) if d != channel and d not in contract)
