@@ -1097,6 +1097,7 @@ def test_complex_matmuls_stay_float_and_say_why(attention):
     cplx, real = qf.report().layers
     assert cplx.status.startswith("complex operands: stays float") and real.status == "quantized"
 
+
 def test_calibration_in_the_wrong_form_says_what_a_batch_is():
     with pytest.raises(TypeError, match="iterable of argument tuples.*wrap each batch"):
         Q(model, P, calibration=X, progress=False)
