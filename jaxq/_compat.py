@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -135,10 +135,13 @@ def remat_bind(params: dict[str, Any], inner: ClosedJaxpr, invals: list[Any]) ->
     remat's ``jaxpr`` param is an open Jaxpr, so a body that gained constants cannot be bound directly;
     the public ``jax.checkpoint`` closes over them for us.
     """
-    fun = jax.checkpoint(
-        jaxpr_as_fun(inner), prevent_cse=params["prevent_cse"], policy=params["policy"]
-    )
-    return list(fun(*invals))
+    return list(remat_like(params, jaxpr_as_fun(inner))(*invals))
+
+
+def remat_like(params: dict[str, Any], fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` under ``jax.checkpoint`` as a ``checkpoint`` equation with ``params`` asks (its
+    policy, its ``prevent_cse``)."""
+    return jax.checkpoint(fun, prevent_cse=params["prevent_cse"], policy=params["policy"])
 
 
 def subjaxpr_params(params: dict[str, Any]) -> list[tuple[str, int | None, Any]]:

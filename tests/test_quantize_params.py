@@ -948,11 +948,14 @@ def test_the_typed_entry_point_has_the_functions_signature():
 
 def test_layers_under_remat_are_quantized_in_both_modes():
     """Gradient checkpointing (``jax.checkpoint``, Flax ``nn.remat``) is a call like ``jit``: the
-    layers inside are quantized, and a QAT gradient flows through them."""
+    layers inside are quantized, and a QAT gradient flows through them. The remat and its policy
+    stay around the quantized layers: inlined, a QAT gradient of four remat blocks saved 36x the
+    activation bytes of float's."""
+    policy = jax.checkpoint_policies.save_only_these_names("act")
 
     def f(p, x):
-        block = jax.checkpoint(lambda p, x: jax.nn.relu(x @ p["w1"]))
-        return block(p, x) @ p["w2"]
+        block = jax.checkpoint(lambda p, x: checkpoint_name(x @ p["w1"], "act"), policy=policy)
+        return jax.nn.relu(block(p, x)) @ p["w2"]
 
     params = {"w1": P["dense"][0]["kernel"], "w2": P["dense"][1]["weight"]}
     qf = Q(f, params, calibration=BATCHES, progress=False)
@@ -964,6 +967,10 @@ def test_layers_under_remat_are_quantized_in_both_modes():
     g = jax.grad(lambda p: jnp.sum(qs.apply(p, X) ** 2))(params)
     assert all(np.abs(np.asarray(v)).sum() > 0 for v in g.values())
     np.testing.assert_array_equal(np.asarray(qs.realize()(X)), np.asarray(qf(X)))
+    for fn, p in ((qs.apply, params), (qf.apply, qf.params)):
+        remats = [e for e in jaxq.trace(fn, p, X).equations() if "remat" in e.primitive]
+        remats += [e for e in jaxq.trace(fn, p, X).equations() if e.primitive == "checkpoint"]
+        assert [e.params["policy"] for e in remats] == [policy]
 
 
 def test_a_prng_key_among_the_params_passes_through():

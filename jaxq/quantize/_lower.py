@@ -82,6 +82,7 @@ from jaxq.quantize._state import (
     INLINE,
     OPT_IN,
     QUANTIZABLE,
+    REMATS,
     QState,
     QuantizeError,
     QWeight,
@@ -400,7 +401,21 @@ class Engine:
         key = subs[0][0]
         if visit.path[:-1] in self.inlined:
             self.inlined.add((*visit.path, key))
-        return visit.inline(*invals)
+        if visit.primitive not in REMATS or self.mode == "observe":
+            return visit.inline(*invals)
+        # a remat keeps its policy around the quantized body (QAT saves what the user chose):
+        # traced arrays go in as its arguments; weights, constants and int8 chains closed over
+        arrays = [i for i, v in enumerate(invals) if isinstance(v, jax.Array) and C.is_tracer(v)]
+
+        def body(*args: Any) -> list[Any]:
+            vals = list(invals)
+            for i, a in zip(arrays, args, strict=True):
+                vals[i] = a
+            return [self.plain(v) for v in visit.eval_body(key, *vals)]
+
+        with visit.own_scope():  # (named as the remat it replaces, its body under it)
+            outs = C.remat_like(visit.params, body)(*(invals[i] for i in arrays))
+        return outs if visit.eqn.primitive.multiple_results else outs[0]
 
     def scan_rule(self, visit: Visit, *invals: Any) -> Any:
         """A scan that params enter runs its body through these rules, so the layers inside are

@@ -44,10 +44,11 @@ FOLDABLE = (
     "reduce_precision",
 )
 """Equations the phases follow a weight through (the chain) or note a param's value after."""
-INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat2")
+REMATS = ("checkpoint", "remat2")
+INLINE = ("jit", "pjit", "closed_call", "core_call", *REMATS)
 """Calls the quantization phases evaluate in place, so the layers inside are found and quantized
-like any other. Remat (``jax.checkpoint``, Flax ``nn.remat``) too: the quantized program then
-recomputes nothing, which changes only the memory a QAT gradient takes, not its values."""
+like any other. Remat (``jax.checkpoint``, Flax ``nn.remat``) too, its body then wrapped in a
+remat with the same policy again (simulate and realize), so a QAT gradient saves what it saved."""
 META_KEY = "quantize"
 
 
