@@ -177,7 +177,7 @@ def make_site(
         by_rule = isinstance(ruled, Scheme) and ruled.granularity == "group"
         k = w_aval.shape[contract[0]] if len(contract) == 1 else 0
         matmul = visit.primitive == "dot_general" and len(w_aval.shape) == 2 and k
-        if not matmul or k % weights.group_size:
+        if not matmul or k % (weights.group_size or 1):
             if by_rule:
                 raise QuantizeError(
                     f"quantize: granularity='group' needs a 2-D weight with one contracted axis "
