@@ -1285,6 +1285,23 @@ def test_layers_in_custom_derivative_functions_say_why_they_stay_float():
     assert row.status.startswith("inside a custom_jvp / custom_vjp function: stays float")
 
 
+def test_a_custom_gradient_function_with_constants_inside_quantizes_around_it():
+    """jnp.clip inside a custom_vjp (Keras' int8 Dense, a user's straight-through layer): its
+    bounds were folded into array constants, which the custom function's body cannot take, and
+    quantize raised RewriteError."""
+
+    @jax.custom_gradient
+    def clipped(x, w):
+        return jnp.clip(x, -1, 1) @ w, lambda g: (g @ w.T, None)
+
+    f = lambda p, x: clipped(x, p["w"]) @ p["v"]  # noqa: E731
+    params = {"w": P["dense"][0]["kernel"], "v": P["dense"][1]["weight"]}
+    qf = Q(f, params, calibration=BATCHES, progress=False)
+    inner, outer = qf.report().layers
+    assert inner.status.startswith("inside a custom_jvp") and outer.status == "quantized"
+    np.testing.assert_allclose(qf(X), f(params, X), rtol=0.05, atol=0.05)
+
+
 def test_a_function_that_never_reads_its_params_is_named():
     # (a Hugging Face Flax model called as model(x), not model(x, params=p), uses its own
     # weights: nothing was quantized as params and new params changed nothing, without a word)

@@ -387,9 +387,10 @@ class Engine:
                 self.derived[id(o)] = (o, origin)
             return out
         # (folded on the host where the inputs are known, unless a shape is symbolic: a
-        # jnp.zeros((x.shape[0], d)) under jax.export with a symbolic batch is not a constant)
+        # jnp.zeros((x.shape[0], d)) under jax.export with a symbolic batch is not a constant;
+        # or inside a body re-bound without constants: jnp.clip's bounds in a custom_vjp)
         fixed = all(isinstance(d, int) for o in visit.eqn.outvars for d in shaped_aval(o).shape)
-        if invals and fixed and all(is_concrete(v) for v in invals):
+        if invals and fixed and not visit.in_open_body and all(is_concrete(v) for v in invals):
             with jax.ensure_compile_time_eval():
                 return visit.bind(*invals)
         return visit.bind(*invals)
