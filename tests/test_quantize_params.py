@@ -1064,6 +1064,27 @@ def test_a_weight_reshaped_before_its_layer_is_named_with_the_fix():
     assert "through concatenate" in layer.status and "flax.linen.LSTMCell" in layer.status
 
 
+@pytest.mark.parametrize("loop", ["fori_loop", "python"])
+def test_a_stack_indexed_per_layer_is_named_with_the_fix(loop):
+    """``p["w"][i]`` in a ``fori_loop`` over layers stays float; it said "no weight operand
+    (both are activations ...)", with no warning. A static slice in a Python loop said "Store
+    the param in the shape the layer uses"; both now point to lax.scan over the stack."""
+    stack = {"w": np.stack([P["dense"][1]["weight"]] * 3)}
+    step = lambda p, i, x: jnp.tanh(x @ p["w"][i])  # noqa: E731
+    if loop == "python":
+        f = lambda p, x: step(p, 2, step(p, 1, step(p, 0, x)))  # noqa: E731
+    else:
+        f = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, x: step(p, i, x), x)  # noqa: E731
+    prim = "dynamic_slice" if loop == "fori_loop" else "slice"
+    with pytest.warns(UserWarning, match=rf"params\['w'\] through {prim}\)"):
+        qf = Q(
+            f, stack, calibration=[(RNG.normal(size=(4, 16)).astype(np.float32),)], progress=False
+        )
+    assert not isinstance(qf.params["w"], QArray)
+    for layer in qf.report().layers:
+        assert f"reaches it through {prim}," in layer.status and "lax.scan" in layer.status
+
+
 @pytest.mark.parametrize(
     ("form", "primitive"),
     [

@@ -106,7 +106,7 @@ LOOP_REASON = (
     "inside a scan / while / cond body, and its weight is no param the body takes as it is (a "
     "closed-over array, or a param sliced, scaled or otherwise computed before the loop): stays "
     "float (layers in loops and branches are quantized where the loop takes the param itself: "
-    "jaxq.quantize(f, params, ...), params[...] sliced inside the body)"
+    "jaxq.quantize(f, params, ...), or scans over a stack of them: lax.scan(body, x, params))"
 )
 CUSTOM_REASON = (
     "inside a custom_jvp / custom_vjp function: stays float (quantizing its body would change "
@@ -272,10 +272,23 @@ class Engine:
         out = visit.bind(*(self.coerce(v) for v in _read_caches(invals)))
         return self._note_derived(invals, out, visit.primitive)
 
+    def index_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A ``dynamic_slice``, noting a slice of whole layers of a param (``p["w"][i]`` with a
+        traced ``i``: a stack indexed by a loop counter) as derived from it."""
+        out = visit.bind(*(self.coerce(v) for v in _read_caches(invals)))
+        src = invals[0]
+        whole = tuple(visit.params["slice_sizes"])[1:] == tuple(np.shape(to_float(src)))[1:]
+        if whole and isinstance(src, WeightRef):
+            self.derived[id(out)] = (out, (src.leaf, visit.primitive))
+        elif whole and id(src) in self.derived:
+            self.derived[id(out)] = (out, self._origin([src]))
+        return out
+
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
         if self.state.params is not None:  # (params: a weight computed from one is named)
             table.update({p: self.derived_rule for p in DERIVED})
+            table["dynamic_slice"] = self.index_rule
         table.update({p: self.fold_rule for p in FOLDABLE})
         table.update({p: self.inline_rule for p in INLINE})
         table["scan"] = self.scan_rule
@@ -774,6 +787,12 @@ class Engine:
                 "A weight assembled from several params (Flax's OptimizedLSTMCell joins its gates' "
                 "kernels): use a cell with a layer per gate (flax.linen.LSTMCell), or keep the "
                 "joined kernel as one param"
+            )
+        elif primitive in ("slice", "dynamic_slice"):  # (a stack of layers, one per slice)
+            fix = (
+                "A stack of layers sliced per layer: run it with lax.scan over the stacked "
+                "params (lax.scan(body, x, params), nn.scan), whose layers are quantized, or "
+                "keep one param per layer"
             )
         elif primitive in FOLDABLE:
             fix = "Store the param in the shape the layer uses"
