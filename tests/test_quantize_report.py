@@ -389,6 +389,30 @@ def test_an_attention_product_says_how_it_is_quantized_in_a_table_that_stays_nar
     assert quantized.endswith("quantized") and len(quantized) < 150  # (was padded to 320)
 
 
+def test_int8_attention_products_have_an_sqnr_and_a_mask_passes_them_over():
+    """Q K^T and P V under ``QConfig(attention=...)``: the report gave them no SQNR (layer_sqnr
+    had it), and a ``[batch, tokens]`` mask, which their ``[batch, heads, t, s]`` outputs cannot
+    take, raised for the whole report."""
+
+    def f(p, x):  # [batch, tokens, features], one head axis
+        q = (x @ p["w0"])[:, None]
+        with jax.named_scope("Att"):
+            s = jax.nn.softmax(jnp.einsum("bhtd,bhsd->bhts", q, q))
+            return jnp.einsum("bhts,bhsd->bhtd", s, q)[:, 0] @ p["w1"]
+
+    cal = [(padded(s, 0.0)[0],) for s in range(3)]
+    cfg = jaxq.QConfig(attention=jaxq.Scheme(granularity="token"))
+    qf = jaxq.quantize(f, TOK, calibration=cal, config=cfg, progress=False)
+    x, valid = padded(10, 1.0)
+    direct = qf.layer_sqnr(x)
+    products = [n for n in direct if "->" in n]
+    assert len(products) == 2
+    rows = {r.name: r.sqnr_db for r in qf.report(sample=(x,)).layers}
+    assert all(rows[n] == pytest.approx(direct[n]) for n in products)
+    rows = {r.name: r.sqnr_db for r in qf.report(sample=(x,), mask=valid).layers}
+    assert all(rows[n] is None for n in products) and rows["Att/dot_general"] > 20
+
+
 def test_a_typed_prng_key_among_the_params_is_counted():
     """``jax.random.key`` in the params (an NNX model with Dropout keeps one in its state) made
     ``report()`` fail: numpy cannot convert a key array. Its 8 bytes count like any leaf's."""

@@ -373,7 +373,12 @@ class QuantizedFunction:
             for e in source.equations():
                 if e.name in names:
                     shape = tuple(shaped_aval(e.eqn.outvars[0]).shape)
-                    fit_mask(mask, shape, e.name, "output", "report")
+                    try:
+                        fit_mask(mask, shape, e.name, "output", "report")
+                    except QuantizeError:  # (attention scores [b, heads, t, s]: left out)
+                        if e.name not in self._state.act_act:
+                            raise
+                        names.remove(e.name)
         ref = intermediates(source, names, *ref_lead, *args, **kwargs)
         got = intermediates(sim, names, *sim_lead, *args, **kwargs)
         pick = lambda n, v: masked(np.asarray(v), mask, n, "output", "report")
@@ -523,8 +528,9 @@ class QuantizedFunction:
         flattened in row-major order (``[batch * tokens, features]``) takes the mask flattened,
         and one that lost the mask's last axes (a pooled ``[batch, features]``) takes the mask
         reduced over them (a row is valid where any of its positions is). A layer whose tensors
-        fit none of these raises a :class:`QuantizeError` naming it and both
-        shapes. Integer masks count non-zero as valid (``attention_mask``).
+        fit none of these raises a :class:`QuantizeError` naming it and both shapes, except
+        an activation x activation product (attention's ``[batch, heads, t, s]`` scores),
+        which then has no SQNR. Integer masks count non-zero as valid (``attention_mask``).
         """
         params = self.params if self._with_params else None
         if sample is None:

@@ -379,6 +379,7 @@ def make_report(
                     "quantized",
                     "none (activation x activation)",
                     f"{state.act_act[e.name].short()} dynamic (both operands)",
+                    sqnr_db=None if sqnr is None else sqnr.get(e.name),
                     in_loop=loops.get(e.name),
                 )
             )
