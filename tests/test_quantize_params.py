@@ -1106,6 +1106,9 @@ def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, p
         qf = Q(form, w, calibration=BATCHES, progress=False)
     (layer,) = [lay for lay in qf.report().layers if "reaches it through" in lay.status]
     assert f"reaches it through {primitive}" in layer.status and "outside f" in layer.status
+    if primitive == "add":  # (the LoRA update a @ b itself said "both operands constant")
+        (update,) = [lay for lay in qf.report().layers if lay.name == "dot_general"]
+        assert update.status.startswith("both operands are params (['a'], ['b'])")
 
 
 @pytest.mark.parametrize("attention", [None, Scheme(granularity="token")])

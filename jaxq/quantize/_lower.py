@@ -708,7 +708,13 @@ class Engine:
         if visit.primitive in EMBEDDING:  # the table is the weight; its indices may be known too
             concrete = [i for i in concrete if i == 0]
         if len(concrete) != 1:
-            if concrete:
+            if concrete and refs and spec is not None:  # (LoRA's a @ b)
+                self.skipped[name] = (
+                    f"both operands are params ({', '.join(spec.paths[r] for r in refs)}): "
+                    "stays float. A weight computed from params (a LoRA update a @ b) is "
+                    "quantized merged: w + a @ b in the params before jaxq.quantize"
+                )
+            elif concrete:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
                 custom = C.in_custom_derivative_body(visit.path)
