@@ -302,6 +302,15 @@ def test_bad_params_get_errors_that_name_the_path():
     with pytest.raises(TypeError, match=r"params\['activation'\] is a .* eqx\.partition"):
         Q(model, with_fn, calibration=BATCHES, progress=False)
 
+    class Variable:  # (Keras' model.trainable_variables: jit's own error was raw)
+        shape, dtype = (12, 16), np.dtype(np.float32)
+
+        def __jax_array__(self):
+            return jnp.zeros(self.shape)
+
+    with pytest.raises(TypeError, match=r"params\[0\] is a Variable.*v\.value for v in"):
+        Q(lambda p, x: x @ p[0], [Variable()], calibration=BATCHES, progress=False)
+
 
 # ---- the phases are passes ---------------------------------------------------------------------
 

@@ -818,6 +818,13 @@ def _check_params_tree(params: Any) -> None:
             "quantize: params hold QArrays already; pass the float params (QAT: "
             "jaxq.quantize(f, params, mode='simulate'), then qf.realize(trained_params))"
         )
+    for path, x in leaves:  # (Keras Variables: jit refuses them too, with a raw error)
+        if hasattr(x, "__jax_array__") and not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"quantize: params{jax.tree_util.keystr(path)} is a {type(x).__name__}, which "
+                "converts to an array but is not one; pass the arrays it holds (Keras: "
+                "[v.value for v in model.trainable_variables])"
+            )
     if not any(float_leaf(x) for _, x in leaves):
         raise QuantizeError(
             "quantize: params hold no float arrays, so there is no weight to quantize; "
