@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import jaxq
 from jaxq import partition as P
@@ -190,6 +191,16 @@ def test_a_broadcast_that_only_adds_unit_axes_is_one_reshape():
     ops, got = exported_ops(f, x)
     assert "Expand" not in ops and ops.count("Reshape") == 1, ops
     np.testing.assert_array_equal(np.asarray(got), np.asarray(f(x)))
+
+
+def test_identities_export_without_a_node():
+    """``checkpoint_name`` (a remat policy's tag) had no rule: it split an offloaded region."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    f = lambda x: jnp.tanh(checkpoint_name(x * 2.0, "act")) + lax.stop_gradient(x)  # noqa: E731
+    ops, got = exported_ops(f, X)
+    assert ops == exported_ops(lambda x: jnp.tanh(x * 2.0) + x, X)[0], ops
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(X)))
 
 
 @pytest.mark.parametrize(

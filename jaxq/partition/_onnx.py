@@ -61,9 +61,10 @@ _OTHER = {
     "reduce_sum", "reduce_max", "reduce_min", "integer_pow", "select_n", "squeeze",
     "expand_dims", "rsqrt", "square", "round", "clamp", "conv_general_dilated",
     "reduce_window_max", "reduce_window_sum", "pad", "is_finite", "not", "and", "or", "reduce_or",
-    "reduce_and", "concatenate", "stack", "slice", "split", "ne", "erfc", "copy", "copy_p",
-    "stop_gradient",
+    "reduce_and", "concatenate", "stack", "slice", "split", "ne", "erfc",
 }  # fmt: skip
+_IDENTITY = ("copy", "copy_p", "stop_gradient", "name")  # (name: checkpoint_name's)
+_OTHER |= set(_IDENTITY)
 _INT8 = (np.dtype(np.int8), np.dtype(np.uint8))
 ONNX_PRIMITIVES: frozenset[str] = frozenset(_UNARY.keys() | _BINARY.keys() | _OTHER)
 """Every primitive the exporter has a rule for (``jaxq.partition.backend_ops`` reads it)."""
@@ -523,7 +524,7 @@ class _Exporter:
             for pair in zip(body.jaxpr.outvars, e.outvars, strict=True):
                 self.carry(*pair, 1.0)
             return outs
-        if name in ("copy", "copy_p", "stop_gradient"):  # (no node: rules see through it)
+        if name in _IDENTITY:  # (no node: rules see through it)
             self.carry(e.invars[0], e.outvars[0], 1.0)
             return ins
         if name in _UNARY:
@@ -992,9 +993,7 @@ class _Exporter:
 
     def unshaped(self, v: Any) -> Any:
         """``v`` before the broadcasts and reshapes that made it."""
-        while (
-            e := self.graph.made_by(v, *_RESHAPES, "stop_gradient", "copy", "copy_p")
-        ) is not None:
+        while (e := self.graph.made_by(v, *_RESHAPES, *_IDENTITY)) is not None:
             v = e.invars[0]
         return v
 
