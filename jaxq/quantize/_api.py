@@ -351,8 +351,9 @@ class QuantizedFunction:
 
         Measured on the fake-quantized program, whose integer results realize computes (up to a
         code on a rounding boundary, see ``mode`` of :func:`jaxq.quantize`); errors of earlier
-        layers accumulate into later ones, as a user sees them. Layers
-        inside loops or branches have no single value and are left out.
+        layers accumulate into later ones, as a user sees them. A layer inside a loop that
+        takes its weight param pools every run of it (a layer stack: one value per layer, as
+        ``name@i``); layers in loops over closed-over weights are left out.
         """
         return self._layer_sqnr(args, kwargs)
 

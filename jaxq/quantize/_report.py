@@ -43,9 +43,10 @@ class LayerReport:
         without a sample.
       in_loop: the control-flow primitive whose body holds the layer (``"scan"``, ``"while"``
         or ``"cond"``, the innermost), or None at the top level (or inside ``jit`` / ``remat``
-        calls). Such a layer runs many times per call, so outside a layer stack it has no single
-        SQNR; its activation scale is calibrated over every run of the body on the data (a
-        branch never taken gets scales computed at run time).
+        calls). Such a layer runs many times per call: where the loop takes its weight param,
+        its SQNR pools every run (a layer stack's: per layer, ``layer_sqnr_db``); with its
+        weight closed over it has none. Its activation scale is calibrated over every run of
+        the body on the data (a branch never taken gets scales computed at run time).
       layers: for a layer of a stack run by ``lax.scan`` (its weight a slice of a stacked
         param), the number of iterations, each quantized and calibrated with scales of its own;
         else 0.
