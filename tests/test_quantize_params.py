@@ -1051,7 +1051,11 @@ def test_a_weight_reshaped_before_its_layer_is_named_with_the_fix():
         )
     assert not isinstance(qf.params["w"], QArray)
     (layer,) = qf.report().layers
-    assert "reaches it through reshape" in layer.status and "Store the param" in layer.status
+    assert (
+        "reaches it through reshape" in layer.status
+        and "Store the param" in layer.status
+        and "partial" in layer.status
+    )
     qkv = {"w": np.concatenate([w.reshape(12, 16)] * 2, axis=1)}  # (a fused projection, split:
     with pytest.warns(UserWarning, match=r"2 layer\(s\) stay float.*through split"):  # was
         qf = Q(  # "no weight operand", with no warning)

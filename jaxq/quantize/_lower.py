@@ -801,7 +801,11 @@ class Engine:
                 "keep one param per layer"
             )
         elif primitive in FOLDABLE:
-            fix = "Store the param in the shape the layer uses"
+            fix = (
+                "Store the param in the shape the layer uses; where a library reshapes it "
+                "inside the layer (Keras' depthwise convolutions), quantize with the weights "
+                "closed over, jaxq.quantize(functools.partial(f, params), ...), which folds it"
+            )
         else:
             fix = (
                 "Compute the weight outside f and pass it as the param (e.g. merge w * s or "
