@@ -360,12 +360,14 @@ def test_a_quantized_layer_inside_a_loop_is_marked_too():
         return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
 
     cfg = jaxq.QConfig(dynamic=True)
-    try:
-        qf = jaxq.quantize(f, calibration=[(X[0],)], config=cfg, progress=False)
-    except Exception as e:  # newer jax keeps loop bodies as open jaxprs (constants hoisted)
-        if "introduced constants into an open jaxpr" not in str(e):
-            raise
-        pytest.xfail("the walker cannot add a quantized weight's constants to an open loop body")
+    if jax.__version_info__ >= (0, 11):  # loop bodies take no constants of their own (hoisted):
+        # the weight made inside is not folded into one (that raised RewriteError) and stays
+        with pytest.warns(UserWarning, match=r"inside scan / while / cond bodies stay float"):
+            qf = jaxq.quantize(f, calibration=[(X[0],)], config=cfg, progress=False)
+        (row,) = qf.report().layers
+        assert (row.status.startswith("inside a scan / while"), row.in_loop) == (True, "while")
+        return
+    qf = jaxq.quantize(f, calibration=[(X[0],)], config=cfg, progress=False)
     (row,) = qf.report(sample=(X[0],)).layers
     assert (row.status, row.in_loop, row.sqnr_db) == ("quantized", "while", None)
     assert "quantized (inside a while body)" in str(qf.report())
