@@ -1307,7 +1307,7 @@ def test_a_rule_giving_one_layer_activations_in_a_weight_only_config_is_calibrat
 def test_layers_in_custom_derivative_functions_say_why_they_stay_float():
     """A dense layer written as a custom_vjp function stays float, and said "inside a scan /
     while / cond body that no param enters" with a warning to pass the weights as params,
-    which they were."""
+    which they were; then it said nothing, and the report named no param."""
 
     @jax.custom_vjp
     def dense(x, w):
@@ -1315,11 +1315,15 @@ def test_layers_in_custom_derivative_functions_say_why_they_stay_float():
 
     dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
     w = {"a": (RNG.normal(size=(12, 12)) / 4).astype(np.float32)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (no warning about loops)
+    with pytest.warns(
+        UserWarning, match=r"params enter custom_jvp .*custom_vjp_call reads \['a'\]"
+    ):
         qf = Q(lambda p, x: dense(x, p["a"]), w, calibration=BATCHES, progress=False)
     (row,) = qf.report().layers
     assert row.status.startswith("inside a custom_jvp / custom_vjp function: stays float")
+    with warnings.catch_warnings():  # (a custom function with no layer: nothing to say)
+        warnings.simplefilter("error")
+        Q(lambda p, x: jax.nn.relu(x) @ p["a"], w, calibration=BATCHES, progress=False)
 
 
 def test_a_custom_gradient_function_with_constants_inside_quantizes_around_it():
@@ -1333,7 +1337,8 @@ def test_a_custom_gradient_function_with_constants_inside_quantizes_around_it():
 
     f = lambda p, x: clipped(x, p["w"]) @ p["v"]  # noqa: E731
     params = {"w": P["dense"][0]["kernel"], "v": P["dense"][1]["weight"]}
-    qf = Q(f, params, calibration=BATCHES, progress=False)
+    with pytest.warns(UserWarning, match=r"custom_vjp_call reads \['w'\]"):
+        qf = Q(f, params, calibration=BATCHES, progress=False)
     inner, outer = qf.report().layers
     assert inner.status.startswith("inside a custom_jvp") and outer.status == "quantized"
     np.testing.assert_allclose(qf(X), f(params, X), rtol=0.05, atol=0.05)

@@ -15,7 +15,7 @@ from jaxq import _warnings
 from jaxq._program import Program
 from jaxq._walk import rewrite
 from jaxq.quantize._config import QConfig
-from jaxq.quantize._lower import Engine, lower, simulate_handler
+from jaxq.quantize._lower import CUSTOM_REASON, Engine, lower, simulate_handler
 from jaxq.quantize._state import META_KEY, QState, QuantizeError, param_spec, with_state
 from jaxq.transform import Pass, infer_layouts, name_expressions, program_pass
 
@@ -120,6 +120,22 @@ def annotate_program(
             f"(and {len(state.site_leaves) - 1} more) is a param (an input). Quantize with the "
             "weights closed over (jaxq.quantize(functools.partial(f, params), ...)), or use "
             "requantize='float'."
+        )
+    custom = {  # params entering a custom_jvp / custom_vjp function whose layers stay float
+        call: [state.params.paths[leaf] for leaf in leaves]
+        for call, leaves in engine.custom_reads.items()
+        if state.params is not None
+        and any(n.startswith(call + "/") and w == CUSTOM_REASON for n, w in engine.skipped.items())
+    }
+    if warn and custom:
+        _warnings.warn(
+            "jaxq.quantize: params enter custom_jvp / custom_vjp functions, whose layers stay "
+            "float (quantizing a body would change the function its derivative rule was "
+            "written for): "
+            + "; ".join(f"{call} reads {', '.join(paths)}" for call, paths in custom.items())
+            + ". Call the layers outside the custom function to quantize them; qf.report() "
+            "lists them",
+            UserWarning,
         )
     if warn and engine.per_channel:
         shown = [f"{k} {list(v)}" for k, v in sorted(engine.per_channel.items())]

@@ -191,6 +191,7 @@ class Engine:
         # simulate gave those readers floats, so the program is lowered again (see annotate)
         self.early_float: set[int] = set()
         self.float_reads: dict[str, list[int]] = {}  # a layer left float -> the leaves it reads
+        self.custom_reads: dict[str, list[int]] = {}  # a custom_jvp / vjp call -> params entering
         # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
         # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
         # (None: a value of constants alone, which may go into such a weight)
@@ -284,6 +285,16 @@ class Engine:
             self.derived[id(out)] = (out, self._origin([src]))
         return out
 
+    def custom_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A custom_jvp / custom_vjp call, bound as it is (its layers stay float), noting the
+        params that enter it; a ReLU on an int8 chain passes codes through."""
+        refs = [v.leaf for v in invals if isinstance(v, WeightRef)]
+        if refs:
+            self.custom_reads[visit.name] = refs
+        if visit.name in self.chains:
+            return self.passthrough_rule(visit, *invals)
+        return visit.bind(*(self.coerce(v) for v in invals))
+
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
         if self.state.params is not None:  # (params: a weight computed from one is named)
@@ -298,6 +309,7 @@ class Engine:
             table["dynamic_update_slice"] = self.cache_write_rule
         if self.chains:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
+        table.update({p: self.custom_rule for p in C.CUSTOM_CALLS})
         return table
 
     def coerce(self, v: Any) -> Any:
@@ -695,6 +707,13 @@ class Engine:
             if visit.primitive not in OPT_IN or rule is not None:
                 self.skipped[name] = (
                     f"skipped by rules[{rule}]" if rule is not None else "weights=None"
+                )
+            elif (
+                visit.primitive in EMBEDDING and isinstance(raw[0], WeightRef) and spec is not None
+            ):
+                self.skipped[name] = (  # (often the largest weight: listed, not left unsaid)
+                    f"a lookup in params{spec.paths[raw[0].leaf]}: stays float (embeddings are "
+                    "opt-in: QConfig(rules=(jaxq.Rule(primitives={'gather'}),)))"
                 )
             return bind_float()
         if any(jnp.iscomplexobj(shaped_aval(v)) for v in visit.eqn.invars):
