@@ -248,9 +248,9 @@ _INLINE_BODY = {
     "remat2": "jaxpr",
 }
 INLINE_CALLS: frozenset[str] = frozenset(_INLINE_BODY)
+"""The call primitives :func:`inline_body` opens (an interpreter runs their bodies in place)."""
 CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
 """The custom-derivative call primitives."""
-"""The call primitives :func:`inline_body` opens (an interpreter runs their bodies in place)."""
 
 
 def in_custom_derivative_body(path: tuple[Any, ...]) -> bool:

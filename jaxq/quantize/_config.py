@@ -61,9 +61,10 @@ class Scheme:
       group_size: with ``granularity="group"``, how many consecutive elements along the
         contracted axis share a scale; None for the other granularities. A layer whose
         contracted size it does not divide, a convolution or an N-D kernel gets one scale
-        per channel instead, with a warning (an error where a ``Rule`` asks for groups). Group scales change along the sum, so realize computes such a layer
-        as simulated, a float op on the dequantized codes (an integer route needs one int32
-        product per group: W4 group(32) A8 at 2048 x 2048 ran at 0.09x float on XLA:CPU).
+        per channel instead, with a warning (an error where a ``Rule`` asks for groups).
+        Group scales change along the sum, so realize computes such a layer as simulated, a
+        float op on the dequantized codes (an integer route needs one int32 product per
+        group: W4 group(32) A8 at 2048 x 2048 ran at 0.09x float on XLA:CPU).
       narrow_range: drop the lowest code (``[-127, 127]`` for signed 8 bits).
       rounding: ``"nearest_even"``, ``"half_away_from_zero"``, ``"half_up"`` or ``"floor"``.
 
