@@ -74,6 +74,15 @@ def test_rule_matching_and_primitives():
     assert Rule(primitives="dot_general").primitives == frozenset({"dot_general"})
     with pytest.raises(TypeError, match="weights must be a Scheme, None or ..."):
         Rule(weights="int8")
+    # (each was accepted, and the rule matched nothing or dropped a field without a word)
+    with pytest.raises(ValueError, match=r"\['dot_generl'\].*did you mean dot_general\?"):
+        Rule(primitives={"dot_generl"})
+    with pytest.raises(ValueError, match=r"primitives \[\] must name"):
+        Rule(primitives=frozenset())
+    with pytest.raises(ValueError, match="skip=True leaves the layers float"):
+        Rule(skip=True, weights=Scheme(bits=4))
+    with pytest.raises(ValueError, match="weights=None leaves the layers unquantized"):
+        Rule(weights=None, activations=Scheme(granularity="token"))
 
 
 @pytest.mark.parametrize(

@@ -494,6 +494,7 @@ def test_rules_first_match_wins_and_unmatched_are_reported():
         Rule(pattern="Dense_1", skip=True),
         Rule(pattern="Dense", weights=Scheme(bits=4, granularity="channel")),
         Rule(pattern="Nope"),
+        Rule(pattern="Dense_0/dot"),  # (a right pattern, every layer taken by rules[1])
     )
     with pytest.warns(UserWarning, match="matched no equation"):
         qf = Q(mlp, calibration=[(X,)], config=QConfig(rules=rules), progress=False)
@@ -504,7 +505,10 @@ def test_rules_first_match_wins_and_unmatched_are_reported():
         rows["MLP/Dense_0/dot_general"].weights.startswith("int4")
         and rows["MLP/Dense_0/dot_general"].rule == 1
     )
-    assert qf.report().unmatched_rules == (f"rules[2]: {rules[2]!r}",)
+    assert qf.report().unmatched_rules == (
+        f"rules[2]: {rules[2]!r}",
+        f"rules[3]: {rules[3]!r} (shadowed: an earlier rule takes every layer it matches)",
+    )
 
 
 # ---- bad input --------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 from jaxq import _warnings
 from jaxq._program import Program
 from jaxq._walk import rewrite
-from jaxq.quantize._config import QConfig
+from jaxq.quantize._config import RULE_PRIMITIVES, QConfig
 from jaxq.quantize._lower import CUSTOM_REASON, Engine, lower, simulate_handler
 from jaxq.quantize._state import META_KEY, QState, QuantizeError, param_spec, with_state
 from jaxq.transform import Pass, infer_layouts, name_expressions, program_pass
@@ -61,8 +61,17 @@ def check_sites(state: QState, engine: Engine, who: str) -> None:
         )
 
 
-def unmatched_rules(config: QConfig, matched: frozenset[int]) -> list[str]:
-    return [f"rules[{i}]: {r!r}" for i, r in enumerate(config.rules) if i not in matched]
+def unmatched_rules(config: QConfig, matched: frozenset[int], source: Program) -> list[str]:
+    """The rules that chose no layer's schemes, each noting where an earlier rule took every
+    layer it matches (its pattern is right: it is shadowed)."""
+    sites = [(e.name, e.primitive) for e in source.equations() if e.primitive in RULE_PRIMITIVES]
+    return [
+        f"rules[{i}]: {r!r}"
+        + (" (shadowed: an earlier rule takes every layer it matches)" if shadowed else "")
+        for i, r in enumerate(config.rules)
+        if i not in matched
+        for shadowed in [any(r.matches(n, p) for n, p in sites)]
+    ]
 
 
 def annotate_program(
@@ -148,7 +157,7 @@ def annotate_program(
             + ". qf.report() shows each layer's scheme",
             UserWarning,
         )
-    missing = unmatched_rules(config, state.matched_rules)
+    missing = unmatched_rules(config, state.matched_rules, source)
     if warn and missing:
         warnings.warn(
             "jaxq.quantize: these rules matched no equation (check the patterns against "

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 from jaxq.annotate._simulated_quantize import ROUNDINGS
+
+QUANTIZABLE = ("dot_general", "conv_general_dilated")
+ELEMENTWISE = ("add", "mul")
+"""Quantized only where a Rule names them in ``primitives`` (a bias or a scale): weights only."""
+EMBEDDING = ("gather",)
+"""Row lookups in a weight table (``emb[ids]``, ``jnp.take(emb, ids, axis=0)``): quantized only
+where a Rule names them in ``primitives``, one scale per row, dequantized after the gather."""
+OPT_IN = (*ELEMENTWISE, *EMBEDDING)
+"""Primitives quantized only where a Rule names them: weights only, no activation scheme."""
+RULE_PRIMITIVES = (*QUANTIZABLE, *OPT_IN)
+"""What ``Rule.primitives`` may name."""
 
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "token")
 CALIBRATIONS: tuple[str, ...] = ("minmax", "percentile", "entropy", "mse")
@@ -222,6 +234,15 @@ class Rule:
                 raise TypeError(
                     f"Rule: primitives must be primitive names; got {self.primitives!r}"
                 )
+            unknown = sorted(prims - set(RULE_PRIMITIVES))
+            if unknown or not prims:
+                near = [m for u in unknown for m in difflib.get_close_matches(u, RULE_PRIMITIVES)]
+                raise ValueError(
+                    f"Rule: primitives {sorted(prims)} must name quantizable primitives, "
+                    f"{', '.join(RULE_PRIMITIVES)}"
+                    + (f" (did you mean {', '.join(near)}?)" if near else "")
+                    + "; None applies the rule to all"
+                )
             object.__setattr__(self, "primitives", prims)
         for side in ("weights", "activations"):
             v = getattr(self, side)
@@ -229,6 +250,16 @@ class Rule:
                 raise TypeError(f"Rule: {side} must be a Scheme, None or ...; got {v!r}")
         if not isinstance(self.skip, bool):
             raise TypeError(f"Rule: skip must be a bool; got {self.skip!r}")
+        if self.skip and (self.weights is not INHERIT or self.activations is not INHERIT):
+            raise ValueError(
+                "Rule: skip=True leaves the layers float, so its weights= / activations= would "
+                "be dropped; give one or the other"
+            )
+        if self.weights is None and isinstance(self.activations, Scheme):
+            raise ValueError(
+                "Rule: weights=None leaves the layers unquantized, activations too, so its "
+                "activations= would be dropped; for weight-only layers give activations=None"
+            )
         if self.smoothing is not INHERIT and self.smoothing is not None:
             _check_number(
                 "smoothing", self.smoothing, "[0, 1]", lambda v: 0 <= v <= 1, " or None", "Rule"

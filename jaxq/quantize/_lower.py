@@ -52,7 +52,7 @@ from jaxq.quantize._chains import (
     plan_chains,
     sample_chains,
 )
-from jaxq.quantize._config import Scheme
+from jaxq.quantize._config import EMBEDDING, OPT_IN, QUANTIZABLE, Scheme
 from jaxq.quantize._intsums import int_dot
 from jaxq.quantize._kvcache import KVCache, cache_carries
 from jaxq.quantize._observers import pool
@@ -77,11 +77,8 @@ from jaxq.quantize._sites import (
     resolve,
 )
 from jaxq.quantize._state import (
-    EMBEDDING,
     FOLDABLE,
     INLINE,
-    OPT_IN,
-    QUANTIZABLE,
     REMATS,
     QState,
     QuantizeError,

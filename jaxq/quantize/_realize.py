@@ -44,7 +44,7 @@ from jaxq.quantize import _fixed_point as F
 from jaxq.quantize._annotate import check_sites, float_source
 from jaxq.quantize._arith import act_qparams, codes, int8_codes, storage_offset
 from jaxq.quantize._chains import QTensor, few_rows
-from jaxq.quantize._config import QConfig
+from jaxq.quantize._config import EMBEDDING, QUANTIZABLE, QConfig
 from jaxq.quantize._intsums import F32_EXACT, int_dot, sums_in_chunks
 from jaxq.quantize._lower import SiteHandler, lower
 from jaxq.quantize._qarray import nibbles
@@ -53,8 +53,6 @@ from jaxq.quantize._qarray import pack_int4 as pack_int4
 from jaxq.quantize._qarray import unpack_int4 as unpack_int4
 from jaxq.quantize._sites import dot_to_out, nonfinite_rows, poison_rows
 from jaxq.quantize._state import (
-    EMBEDDING,
-    QUANTIZABLE,
     QState,
     QuantizeError,
     QWeight,

@@ -451,7 +451,7 @@ def make_report(
     return Report(
         mode=state.mode,
         layers=tuple(rows if sqnr is None else _worst_first(rows)),
-        unmatched_rules=tuple(unmatched_rules(state.config, state.matched_rules)),
+        unmatched_rules=tuple(unmatched_rules(state.config, state.matched_rules, state.source)),
         calibration=dict(state.calibration),
         param_bytes=param_bytes(program, qparams),
     )

@@ -13,11 +13,8 @@ import numpy as np
 from jax import lax
 
 from jaxq._walk import Visit
-from jaxq.quantize._config import INHERIT, QConfig, Scheme
+from jaxq.quantize._config import ELEMENTWISE, EMBEDDING, INHERIT, OPT_IN, QConfig, Scheme
 from jaxq.quantize._state import (
-    ELEMENTWISE,
-    EMBEDDING,
-    OPT_IN,
     QuantizeError,
     Site,
     shaped_aval,

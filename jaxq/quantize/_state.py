@@ -24,14 +24,6 @@ from jaxq.quantize._params import (
 if TYPE_CHECKING:
     from jax.core import ShapedArray
 
-QUANTIZABLE = ("dot_general", "conv_general_dilated")
-ELEMENTWISE = ("add", "mul")
-"""Quantized only where a Rule names them in ``primitives`` (a bias or a scale): weights only."""
-EMBEDDING = ("gather",)
-"""Row lookups in a weight table (``emb[ids]``, ``jnp.take(emb, ids, axis=0)``): quantized only
-where a Rule names them in ``primitives``, one scale per row, dequantized after the gather."""
-OPT_IN = (*ELEMENTWISE, *EMBEDDING)
-"""Primitives quantized only where a Rule names them: weights only, no activation scheme."""
 FOLDABLE = (
     *CHAIN,
     "reshape",
