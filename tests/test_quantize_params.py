@@ -893,7 +893,8 @@ def test_a_tied_weight_read_transposed_runs_in_simulate_as_realize_deploys_it(ac
             return h @ p["w"].T
 
     kw = dict(calibration=BATCHES, config=QConfig(activations=activations), progress=False)
-    real, sim = Q(tied, w, **kw), Q(tied, w, mode="simulate", **kw)
+    with pytest.warns(UserWarning, match=r"dec/dot_general: \['w'\] \(quantized for 'enc/"):
+        real, sim = Q(tied, w, **kw), Q(tied, w, mode="simulate", **kw)
     np.testing.assert_allclose(real(X), sim(X), rtol=1e-5, atol=1e-6)
     assert [lay.status for lay in real.report().layers][0] == "quantized"
     g = jax.grad(lambda p: jnp.sum(sim.apply(p, X) ** 2))(w)["w"]

@@ -15,7 +15,7 @@ from jaxq import _warnings
 from jaxq._program import Program
 from jaxq._walk import rewrite
 from jaxq.quantize._config import RULE_PRIMITIVES, QConfig
-from jaxq.quantize._lower import CUSTOM_REASON, Engine, lower, simulate_handler
+from jaxq.quantize._lower import CUSTOM_REASON, LOOKUP, Engine, lower, simulate_handler
 from jaxq.quantize._state import META_KEY, QState, QuantizeError, param_spec, with_state
 from jaxq.transform import Pass, infer_layouts, name_expressions, program_pass
 
@@ -98,14 +98,17 @@ def annotate_program(
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,
     )
-    # a layer a Rule keeps float that reads a param another layer quantizes: the params hold
-    # only that leaf's codes, so it computes with them dequantized, not with the float weight
+    # a layer left float (by a Rule, or by a scheme of its own) that reads a param another
+    # layer quantizes: the params hold only that leaf's codes, so it computes with them
+    # dequantized, not with the float weight (as a tied table's lookup does, said in the docs)
     shared = {
         name: f"{state.params.paths[leaf]} (quantized for {state.leaves[leaf].site!r})"
         for name, leaves in engine.float_reads.items()
-        if state.skipped.get(name, "").startswith("skipped by rules") and state.params is not None
+        if name in state.skipped
+        and not state.skipped[name].startswith(LOOKUP)
+        and state.params is not None
         for leaf in leaves
-        if leaf in state.leaves
+        if leaf in state.leaves and state.leaves[leaf].site != name
     }
     if shared:
         skipped = {

@@ -134,6 +134,8 @@ DERIVED = (
 and reductions (a weight normalized in f: weight standardization, Flax's WeightNorm). ``add``
 and ``mul`` are opt-in sites and note it themselves."""
 COMPLEX_REASON = "complex operands: stays float (int8 codes hold real values)"
+LOOKUP = "a lookup in params"
+"""How the reason of an embedding lookup left float (embeddings are opt-in) begins."""
 UNFOLLOWED = "its weight, params"
 """How the reason of a layer whose weight param reaches it through an equation quantization
 does not follow (a reshape) begins."""
@@ -709,7 +711,7 @@ class Engine:
                 visit.primitive in EMBEDDING and isinstance(raw[0], WeightRef) and spec is not None
             ):
                 self.skipped[name] = (  # (often the largest weight: listed, not left unsaid)
-                    f"a lookup in params{spec.paths[raw[0].leaf]}: stays float (embeddings are "
+                    f"{LOOKUP}{spec.paths[raw[0].leaf]}: stays float (embeddings are "
                     "opt-in: QConfig(rules=(jaxq.Rule(primitives={'gather'}),)))"
                 )
             return bind_float()
