@@ -65,12 +65,13 @@ def unmatched_rules(config: QConfig, matched: frozenset[int], source: Program) -
     """The rules that chose no layer's schemes, each noting where an earlier rule took every
     layer it matches (its pattern is right: it is shadowed)."""
     sites = [(e.name, e.primitive) for e in source.equations() if e.primitive in RULE_PRIMITIVES]
+    taken = lambda i, n, p: any(q.matches(n, p) for q in config.rules[:i])
     return [
         f"rules[{i}]: {r!r}"
         + (" (shadowed: an earlier rule takes every layer it matches)" if shadowed else "")
         for i, r in enumerate(config.rules)
         if i not in matched
-        for shadowed in [any(r.matches(n, p) for n, p in sites)]
+        for shadowed in [any(r.matches(n, p) and taken(i, n, p) for n, p in sites)]
     ]
 
 
