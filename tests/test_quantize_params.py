@@ -101,6 +101,28 @@ def test_params_are_a_pytree_of_qarrays_shaped_like_the_float_params():
     np.testing.assert_array_equal(doubled["dense"][0]["kernel"].codes, kernels[0].codes)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_flax_serialization_saves_and_restores_quantized_params(bits):
+    """Flax users save params with ``flax.serialization``; its msgpack refused a QArray."""
+    serialization = pytest.importorskip("flax.serialization")
+    config = QConfig(
+        weights=Scheme(bits=bits, symmetric=False), activations=Scheme(symmetric=False)
+    )
+    qf = Q(model, P, calibration=BATCHES, config=config, progress=False)
+    data = serialization.to_bytes(qf.params)
+    target = jax.tree.map(np.zeros_like, qf.params)
+    restored = serialization.from_bytes(target, data)
+    assert jax.tree.structure(restored) == jax.tree.structure(qf.params)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(qf.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(qf.apply(restored, X), qf(X))
+    state = serialization.to_state_dict(qf.params)["dense"]["0"]["kernel"]
+    assert {"codes", "scale", "zero_point", "act_scale", "act_zero_point"} <= set(state)
+    # a state saved from params quantized without zero points does not fit these
+    with pytest.raises(ValueError, match="lacks.*zero_point"):
+        serialization.from_bytes(target, serialization.to_bytes(realized().params))
+
+
 def test_realized_params_equal_closure_style_bit_for_bit():
     qf = realized()
     y = np.asarray(jax.jit(qf.apply)(qf.params, X))

@@ -33,7 +33,7 @@ from jaxq.quantize._lower import (
     source_inputs,
 )
 from jaxq.quantize._params import float_leaf, stack_qarrays, to_float, to_qarray, to_site
-from jaxq.quantize._qarray import QArray, is_qarray
+from jaxq.quantize._qarray import QArray, is_qarray, register_flax_serialization
 from jaxq.quantize._realize import realize, realize_handler, realize_program
 from jaxq.quantize._report import (
     Report,
@@ -114,6 +114,7 @@ class QuantizedFunction:
         self._cache: dict[Any, Program] = {self._key_of(program): program}
         self.__name__ = getattr(fun, "__name__", "quantized")
         self.__doc__ = getattr(fun, "__doc__", None)
+        register_flax_serialization()  # (flax users save params with flax.serialization)
 
     # -- programs per shape -----------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import jax
@@ -250,6 +251,36 @@ jax.export.register_pytree_node_serialization(
     serialize_auxdata=_aux_to_bytes,
     deserialize_auxdata=_aux_from_bytes,
 )
+
+
+def register_flax_serialization() -> None:
+    """Teach ``flax.serialization`` (``to_bytes`` / ``from_bytes`` / ``to_state_dict``) QArrays as
+    a dict of their arrays, once flax is imported: jaxq does not import flax itself, and Flax's
+    msgpack refuses a type it does not know ("can not serialize 'QArray' object")."""
+    global _flax_registered
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None or _flax_registered:
+        return
+
+    def to_state(q: QArray) -> dict[str, Any]:
+        return {k: serialization.to_state_dict(v) for k, v in q._keyed}
+
+    def from_state(target: QArray, state: dict[str, Any]) -> QArray:
+        missing = [k for k, _ in target._keyed if k not in state]
+        if missing:
+            raise ValueError(
+                f"the saved state of {target!r} lacks {missing} (it has {sorted(state)}): it was "
+                "saved from params quantized with another config; restore into params quantized "
+                "like the saved ones"
+            )
+        leaves = [serialization.from_state_dict(v, state[k], name=k) for k, v in target._keyed]
+        return QArray.tree_unflatten(target._aux, leaves)
+
+    serialization.register_serialization_state(QArray, to_state, from_state)
+    _flax_registered = True
+
+
+_flax_registered = False
 
 
 def is_qarray(x: Any) -> bool:
