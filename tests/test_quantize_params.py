@@ -1131,6 +1131,10 @@ def test_a_stack_indexed_per_layer_is_named_with_the_fix(loop):
         (lambda p, x: x @ ((p["w"] - p["w"].mean(0)) / (p["w"].std(0) + 1e-5)), "sub"),
         # weight normalization (Flax's WeightNorm): a norm of the param, and a gain
         (lambda p, x: x @ (p["w"] / jnp.linalg.norm(p["w"], axis=0) * p["b"][0]), "div"),
+        # a pruned or masked weight (the mask from iota: traced, computed from no input)
+        (lambda p, x: x @ p["w"].at[0].set(0.0), "scatter"),
+        (lambda p, x: x @ jnp.where(jnp.arange(12)[:, None] > 0, p["w"], 0.0), "select_n"),
+        (lambda p, x: x @ jnp.pad(p["w"], ((0, 0), (0, 4)))[:, 4:], "pad"),
     ],
 )
 def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, primitive):

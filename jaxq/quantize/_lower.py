@@ -128,11 +128,13 @@ def iteration_key(key: str, i: int, layer: bool) -> str:
 DERIVED = (
     *("sub", "div", "neg", "integer_pow", "square", "sqrt", "rsqrt", "abs", "exp", "log", "tanh"),
     *("max", "min", "select_n", "reduce_sum", "reduce_max", "reduce_min"),
-    *("gt", "ge", "lt", "le", "eq", "ne"),
+    *("gt", "ge", "lt", "le", "eq", "ne", "clamp", "pad", "dynamic_update_slice", "iota"),
+    *("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max"),
 )
-"""Equations whose result, computed from a param, is noted as derived from it: elementwise ones
-and reductions (a weight normalized in f: weight standardization, Flax's WeightNorm). ``add``
-and ``mul`` are opt-in sites and note it themselves."""
+"""Equations whose result, computed from a param, is noted as derived from it: elementwise ones,
+reductions (a weight normalized in f: weight standardization, Flax's WeightNorm) and updates (a
+pruned or masked weight; ``iota``: a mask's positions, computed from no input). ``add`` and
+``mul`` are opt-in sites and note it themselves."""
 COMPLEX_REASON = "complex operands: stays float (int8 codes hold real values)"
 LOOKUP = "a lookup in params"
 """How the reason of an embedding lookup left float (embeddings are opt-in) begins."""
