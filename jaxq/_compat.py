@@ -253,12 +253,6 @@ CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
 """The custom-derivative call primitives."""
 
 
-def in_custom_derivative_body(path: tuple[Any, ...]) -> bool:
-    """Whether an equation's path (see ``jaxq.Equation.path``) ends inside the body of a
-    custom_jvp / custom_vjp call (the label of its innermost sub-jaxpr)."""
-    return len(path) > 1 and path[-2] == _INLINE_BODY["custom_jvp_call"]
-
-
 def inline_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
     """The body of a call-like equation (jit, custom_jvp_call, custom_vjp_call, checkpoint) that evaluates
     exactly like the equation on the same operands; None for any other equation."""

@@ -1151,6 +1151,33 @@ def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, p
         assert update.status.startswith("both operands are params (['a'], ['b'])")
 
 
+def test_an_input_gradient_inside_f_says_why_its_backward_layers_stay_float():
+    """A PINN's residual differentiates the net by its input inside f: the backward pass reads
+    each weight transposed. The report blamed "another scheme" (with a Rule as the fix, which
+    changed nothing) and called a weight times the unit cotangent "both operands are params";
+    per-tensor weights with symmetric activations share one QArray in both directions."""
+    p = [P["dense"][0]["kernel"][:2], np.full((16, 1), 0.2, np.float32)]
+    net = lambda p, xy: (jnp.tanh(xy @ p[0]) @ p[1])[0]  # noqa: E731
+    f = lambda p, x: jax.vmap(jax.grad(net, argnums=1), (None, 0))(p, x).sum(-1)  # noqa: E731
+    x = RNG.uniform(size=(32, 2)).astype(np.float32)
+    with pytest.warns(UserWarning, match="dequantized codes"):
+        qf = Q(f, p, calibration=[(x,)], progress=False)
+    status = {lay.name: lay.status for lay in qf.report().layers}
+    unit, back = (status[f"vmap(transpose(jvp()))/{n}"] for n in ("dot_general", "dot_general_1"))
+    assert unit.startswith("its operands are param [1] and a constant, no activation")
+    assert "another layout (as a backward pass reads W transposed)" in back
+    assert "scales run along other axes" in back and "code sums" in back
+    config = QConfig(weights=Scheme(granularity="tensor"), activations=Scheme(symmetric=True))
+    with pytest.warns(UserWarning, match="dequantized codes"):  # (the unit cotangent's)
+        shared, sim = (
+            Q(f, p, calibration=[(x,)], config=config, mode=mode, progress=False)
+            for mode in ("realize", "simulate")
+        )
+    assert shared.report().layers[-1].status == "quantized"  # (the backward layer)
+    np.testing.assert_allclose(shared(x), sim(x), rtol=1e-5, atol=1e-6)
+    assert np.linalg.norm(shared(x) - f(p, x)) < 0.03 * np.linalg.norm(f(p, x))
+
+
 @pytest.mark.parametrize("attention", [None, Scheme(granularity="token")])
 def test_complex_matmuls_stay_float_and_say_why(attention):
     """An S4D / S5 layer multiplies complex values: int8 codes hold real ones. With
@@ -1348,6 +1375,21 @@ def test_layers_in_custom_derivative_functions_say_why_they_stay_float():
         qf = Q(lambda p, x: dense(x, p["a"]), w, calibration=BATCHES, progress=False)
     (row,) = qf.report().layers
     assert row.status.startswith("inside a custom_jvp / custom_vjp function: stays float")
+
+    # a loop inside one (odeint's solver) said the loop's reason; a linear solve's steps too
+    @jax.custom_vjp
+    def solver(x, w):
+        return jax.lax.fori_loop(0, 2, lambda i, x: jnp.tanh(x @ w), x)
+
+    solver.defvjp(lambda x, w: (solver(x, w), w), lambda w, g: (g, jnp.zeros_like(w)))
+    with pytest.warns(UserWarning, match="params enter custom_jvp"):
+        qf = Q(lambda p, x: solver(x, p["a"]), w, calibration=BATCHES, progress=False)
+    (row,) = qf.report().layers
+    assert "custom_vjp_call/scan/" in row.name and row.status.startswith("inside a custom_jvp")
+    a = w["a"] + 4 * np.eye(12, dtype=np.float32)
+    qf = Q(lambda p, x: jnp.linalg.solve(a, x.T) @ p["b"], {"b": w["a"][:6]}, calibration=[(X,)])
+    steps = [lay for lay in qf.report().layers if "custom_linear_solve" in lay.name]
+    assert steps and all(lay.status.startswith("inside a linear solve") for lay in steps)
     with warnings.catch_warnings():  # (a custom function with no layer: nothing to say)
         warnings.simplefilter("error")
         Q(lambda p, x: jax.nn.relu(x) @ p["a"], w, calibration=BATCHES, progress=False)

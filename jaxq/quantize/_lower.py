@@ -109,6 +109,10 @@ CUSTOM_REASON = (
     "inside a custom_jvp / custom_vjp function: stays float (quantizing its body would change "
     "the function its derivative rule was written for); call the layer outside it to quantize it"
 )
+SOLVE_REASON = (
+    "inside a linear solve (custom_linear_solve: jnp.linalg.solve, lax.custom_linear_solve): "
+    "stays float (its products are the solver's steps, not layers)"
+)
 ARRAY_STATS = (":gram", ":absmax", ":wabsmax", ":weight")
 """Suffixes of the per-layer arrays calibration collects (GPTQ / AWQ / SmoothQuant statistics)
 beside the activation statistics, which are keyed by the layer's name (``:out``: its output)."""
@@ -193,6 +197,9 @@ class Engine:
         self.early_float: set[int] = set()
         self.float_reads: dict[str, list[int]] = {}  # a layer left float -> the leaves it reads
         self.custom_reads: dict[str, list[int]] = {}  # a custom_jvp / vjp call -> params entering
+        self.opaque: list[
+            str
+        ] = []  # the reasons of the opaque calls being re-bound, outermost first
         # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
         # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
         # (None: a value of constants alone, which may go into such a weight)
@@ -294,7 +301,16 @@ class Engine:
             self.custom_reads[visit.name] = refs
         if visit.name in self.chains:
             return self.passthrough_rule(visit, *invals)
-        return visit.bind(*(self.coerce(v) for v in invals))
+        return self.opaque_rule(visit, *invals)
+
+    def opaque_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A call whose layers stay float (custom derivatives, a linear solve), bound as it is;
+        a layer anywhere inside, under loops too, is reported with the outermost one's reason."""
+        self.opaque.append(CUSTOM_REASON if visit.primitive in C.CUSTOM_CALLS else SOLVE_REASON)
+        try:
+            return visit.bind(*(self.coerce(v) for v in invals))
+        finally:
+            self.opaque.pop()
 
     def rules(self) -> dict[str, Any]:
         table: dict[str, Any] = {p: self.site_rule for p in (*QUANTIZABLE, *OPT_IN)}
@@ -311,6 +327,7 @@ class Engine:
         if self.chains:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         table.update({p: self.custom_rule for p in C.CUSTOM_CALLS})
+        table["custom_linear_solve"] = self.opaque_rule
         return table
 
     def coerce(self, v: Any) -> Any:
@@ -728,17 +745,21 @@ class Engine:
         if visit.primitive in EMBEDDING:  # the table is the weight; its indices may be known too
             concrete = [i for i in concrete if i == 0]
         if len(concrete) != 1:
-            if concrete and refs and spec is not None:  # (LoRA's a @ b)
+            if len(refs) == 1 and len(concrete) == 2 and spec is not None:
+                self.skipped[name] = (  # (a backward pass's unit cotangent times a weight)
+                    f"its operands are param {spec.paths[refs[0]]} and a constant, no "
+                    "activation: stays float"
+                )
+            elif concrete and refs and spec is not None:  # (LoRA's a @ b)
                 self.skipped[name] = (
-                    f"both operands are params ({', '.join(spec.paths[r] for r in refs)}): "
+                    f"both operands are params ({', '.join(dict.fromkeys(spec.paths[r] for r in refs))}): "
                     "stays float. A weight computed from params (a LoRA update a @ b) is "
                     "quantized merged: w + a @ b in the params before jaxq.quantize"
                 )
             elif concrete:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
-                custom = C.in_custom_derivative_body(visit.path)
-                self.skipped[name] = CUSTOM_REASON if custom else LOOP_REASON
+                self.skipped[name] = self.opaque[0] if self.opaque else LOOP_REASON
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)
             else:
@@ -879,16 +900,32 @@ class Engine:
                 )
             self.leaves[ref.leaf] = plan
             return plan
-        same = (first.scheme, first.scale_axes, first.group_axis, first.layers) == (
-            plan.scheme,
-            plan.scale_axes,
-            plan.group_axis,
-            plan.layers,
-        ) and len({first.sum_axes, plan.sum_axes} - {None}) <= 1
-        if not same or not self._same_smoothing(site.name, first.site):
+        if first.scheme != plan.scheme:
             return (
-                f"param {plan.path} is quantized for {first.site!r} with another scheme or "
-                "layout; a Rule giving both layers one scheme quantizes it for both"
+                f"param {plan.path} is quantized for {first.site!r} with another scheme; a Rule "
+                "giving both layers one scheme quantizes it for both"
+            )
+        per_tensor = plan.scheme.granularity == "tensor"  # (no scale axes to agree on)
+        same = (first.group_axis, first.layers) == (plan.group_axis, plan.layers) and (
+            per_tensor or first.scale_axes == plan.scale_axes
+        )
+        why = [] if same else ["its scales run along other axes (per-tensor weights share them)"]
+        if len({first.sum_axes, plan.sum_axes} - {None}) > 1:
+            why.append(
+                "its code sums, stored for activations with a zero point, run over other axes "
+                "(symmetric activations need none)"
+            )
+        if why:
+            return (
+                f"param {plan.path} is quantized for {first.site!r}, which reads it in another "
+                f"layout (as a backward pass reads W transposed): {'; '.join(why)}. One QArray "
+                "serves one layout"
+            )
+        if not self._same_smoothing(site.name, first.site):
+            return (
+                f"param {plan.path} is quantized for {first.site!r}, which smooths its input "
+                "channels otherwise (SmoothQuant / AWQ factors differ); one QArray holds one "
+                "smoothing"
             )
         if first.sum_axes is None and plan.sum_axes is not None:
             # one layer needs the codes' sums (its activations have a zero point), the other
