@@ -354,3 +354,23 @@ def test_a_tied_projection_with_another_scheme_stays_float_and_says_why():
     rows = {row.name: row for row in r.report().layers}
     assert rows["Embed/gather"].weights.startswith("int4")
     assert "quantized for 'Embed/gather' with another scheme" in rows["Head/dot_general"].status
+
+
+@pytest.mark.filterwarnings(r"ignore:.*\(params\['w'\] through dot_general\):UserWarning")
+def test_a_tied_tables_lookup_without_the_rule_says_it_reads_the_heads_codes():
+    """The lookup's row said "stays float (embeddings are opt-in)" while it reads the table the
+    head quantizes, dequantized: the only values quantized params hold."""
+    r = jaxq.quantize(tied, PARAMS, calibration=[(i,) for i in IDS], progress=False)
+    (lookup,) = [row for row in r.report().layers if row.primitive == "gather"]
+    assert lookup.status.startswith(
+        "a lookup in params['tok'] (quantized for 'Head/dot_general'), a tied table: reads its "
+        "dequantized codes"
+    )
+    h = np.asarray(r.apply(r.params, IDS[0])[1])
+    (tok,) = [
+        x
+        for x in jax.tree.leaves(r.params, is_leaf=lambda x: isinstance(x, QArray))
+        if isinstance(x, QArray)
+    ]
+    ref = jnp.tanh(tok.dequantize()[IDS[0]] @ (PARAMS["w"] @ PARAMS["w"].T))
+    np.testing.assert_allclose(h, np.asarray(ref), rtol=1e-5, atol=1e-6)

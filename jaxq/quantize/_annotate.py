@@ -102,30 +102,35 @@ def annotate_program(
     # a layer left float (by a Rule, or by a scheme of its own) that reads a param another
     # layer quantizes: the params hold only that leaf's codes, so it computes with them
     # dequantized, not with the float weight (as a tied table's lookup does, said in the docs)
-    shared = {
+    reads = {
         name: f"{state.params.paths[leaf]} (quantized for {state.leaves[leaf].site!r})"
         for name, leaves in engine.float_reads.items()
-        if name in state.skipped
-        and not state.skipped[name].startswith(LOOKUP)
-        and state.params is not None
+        if name in state.skipped and state.params is not None
         for leaf in leaves
         if leaf in state.leaves and state.leaves[leaf].site != name
     }
-    if shared:
-        skipped = {
-            k: f"{v}; reads the dequantized {shared[k]}" if k in shared else v
-            for k, v in state.skipped.items()
-        }
+    shared = {k: v for k, v in reads.items() if not state.skipped[k].startswith(LOOKUP)}
+    if reads:
+        skipped = dict(state.skipped)
+        for k, v in reads.items():
+            if k in shared:
+                skipped[k] = f"{skipped[k]}; reads the dequantized {v}"
+            else:  # (a tied table's lookup: documented, no warning)
+                skipped[k] = (
+                    f"{LOOKUP}{v}, a tied table: reads its dequantized codes (to quantize the "
+                    "lookup itself, one scale per row: QConfig(rules=(jaxq.Rule(primitives="
+                    "{'gather'}),)))"
+                )
         state = state.replace(skipped=skipped)
-        if warn:
-            _warnings.warn(
-                "jaxq.quantize: these layers stay float but read a param that another layer "
-                "quantizes, so they compute with its dequantized codes:\n  "
-                + "\n  ".join(f"{k}: {v}" for k, v in shared.items())
-                + "\nTo keep them exact, leave the other layer float too (a Rule with skip=True)"
-                ", or give the layers separate params.",
-                UserWarning,
-            )
+    if shared and warn:
+        _warnings.warn(
+            "jaxq.quantize: these layers stay float but read a param that another layer "
+            "quantizes, so they compute with its dequantized codes:\n  "
+            + "\n  ".join(f"{k}: {v}" for k, v in shared.items())
+            + "\nTo keep them exact, leave the other layer float too (a Rule with skip=True)"
+            ", or give the layers separate params.",
+            UserWarning,
+        )
     if config.requantize == "fixed_point" and state.site_leaves:
         raise QuantizeError(
             "quantize: requantize='fixed_point' computes each layer's integer multipliers on the "
