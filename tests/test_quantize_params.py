@@ -1570,3 +1570,20 @@ def test_an_empty_weight_stays_float_with_its_reason():
     assert isinstance(qf.params["w"], QArray) and not isinstance(qf.params["empty"], QArray)
     assert "size-0" in qf.report().layers[-1].status
     np.testing.assert_array_equal(qf(X)[:, 16:], np.zeros((len(X), 0)))
+
+
+def test_sparse_matmuls_are_listed_as_float_with_their_param():
+    """A BCOO weight or a sparsified function (jax.experimental.sparse) ran float and its matmul
+    was missing from the report, with no warning."""
+    from jax.experimental import sparse
+
+    w = P["dense"][0]["kernel"] * (RNG.random((12, 16)) < 0.3)
+    params = {"ws": sparse.BCOO.fromdense(w), "v": P["dense"][1]["weight"]}
+    f = lambda p, x: jnp.tanh(x @ p["ws"]) @ p["v"]  # noqa: E731
+    qf = Q(f, params, calibration=BATCHES, progress=False)
+    rows = {row.primitive: row for row in qf.report().layers}
+    assert rows["bcoo_dot_general"].status.startswith("a sparse matmul (jax.experimental.sparse)")
+    assert rows["bcoo_dot_general"].param.startswith("['ws']")  # (its data)
+    assert rows["dot_general"].status == "quantized"
+    ref = f(params, jnp.asarray(X))
+    assert np.linalg.norm(qf(X) - ref) < 0.05 * np.linalg.norm(ref)

@@ -109,6 +109,12 @@ CUSTOM_REASON = (
     "inside a custom_jvp / custom_vjp function: stays float (quantizing its body would change "
     "the function its derivative rule was written for); call the layer outside it to quantize it"
 )
+SPARSE = (
+    *("bcoo_dot_general", "bcoo_spdot_general", "bcoo_dot_general_sampled", "bcsr_dot_general"),
+    *("coo_matmat", "coo_matvec", "csr_matmat", "csr_matvec"),
+)
+"""The matmuls of ``jax.experimental.sparse`` (a BCOO weight or input): float, and listed."""
+SPARSE_REASON = "a sparse matmul (jax.experimental.sparse): stays float (codes are dense)"
 SOLVE_REASON = (
     "inside a linear solve (custom_linear_solve: jnp.linalg.solve, lax.custom_linear_solve): "
     "stays float (its products are the solver's steps, not layers)"
@@ -303,6 +309,14 @@ class Engine:
             return self.passthrough_rule(visit, *invals)
         return self.opaque_rule(visit, *invals)
 
+    def sparse_rule(self, visit: Visit, *invals: Any) -> Any:
+        """A sparse matmul, bound as it is: reported (with the param it reads) as staying float."""
+        self.skipped[visit.name] = SPARSE_REASON
+        refs = [v.leaf for v in invals if isinstance(v, WeightRef)]
+        if refs:
+            self.float_reads[visit.name] = refs
+        return visit.bind(*(self.coerce(v) for v in invals))
+
     def opaque_rule(self, visit: Visit, *invals: Any) -> Any:
         """A call whose layers stay float (custom derivatives, a linear solve), bound as it is;
         a layer anywhere inside, under loops too, is reported with the outermost one's reason."""
@@ -328,6 +342,7 @@ class Engine:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         table.update({p: self.custom_rule for p in C.CUSTOM_CALLS})
         table["custom_linear_solve"] = self.opaque_rule
+        table.update({p: self.sparse_rule for p in SPARSE})
         return table
 
     def coerce(self, v: Any) -> Any:
