@@ -841,6 +841,8 @@ class Engine:
         origin = self._origin(operands)
         spec = self.state.params
         if origin is None or spec is None:
+            if primitive in EMBEDDING:
+                return "a gather from an activation, not a table in params: stays float"
             return NO_WEIGHT_MATMUL if primitive == "dot_general" else NO_WEIGHT_REASON
         leaf, primitive = origin
         path = "" if spec.paths[leaf].startswith("args[") else spec.paths[leaf]  # (bare: params)
