@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -342,7 +343,8 @@ class Engine:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         table.update({p: self.custom_rule for p in C.CUSTOM_CALLS})
         table["custom_linear_solve"] = self.opaque_rule
-        table.update({p: self.sparse_rule for p in SPARSE})
+        if "jax.experimental.sparse" in sys.modules:  # (its primitives exist once imported)
+            table.update({p: self.sparse_rule for p in SPARSE})
         return table
 
     def coerce(self, v: Any) -> Any:
