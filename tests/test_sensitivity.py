@@ -76,6 +76,8 @@ def test_sensitivity_keeps_the_worst_layer_float_until_the_target_is_met():
     statuses = {r.name: r.status for r in result.function.report().layers}
     assert statuses["Dense_1/dot_general"] != "quantized"
     assert "kept in float: Dense_1/dot_general" in str(result)
+    again = quantize(f, calibration=[(x,) for x in X], config=result.config, progress=False)
+    assert metric(again) == result.metric  # (the config found, reusable)
 
 
 def test_sensitivity_with_params_as_an_argument():

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 

@@ -52,6 +52,9 @@ class SensitivityResult:
       history: ``(layers kept, metric)`` for every step, in order.
       isolated_sqnr_db: per layer, the SQNR (dB) of the model's output with only that layer
         quantized (in the config's scheme): the ranking behind ``kept``.
+      config: the config of ``function`` (the given one with a rule per kept layer first):
+        ``jaxq.quantize(f, params, calibration=..., config=result.config)`` makes it again,
+        e.g. for new params or another mode, without searching again.
     """
 
     function: QuantizedFunction
@@ -63,6 +66,7 @@ class SensitivityResult:
     sqnr_db: dict[str, float]
     history: tuple[tuple[int, float], ...]  # (layers kept, metric)
     isolated_sqnr_db: dict[str, float]  # model-output SQNR with only that layer quantized
+    config: QConfig
 
     @property
     def kept_float(self) -> tuple[str, ...]:
@@ -156,6 +160,7 @@ def sensitivity(
     limit = len(ranked) if max_kept is None else min(max_kept, len(ranked))
     history: list[tuple[int, float]] = []
     qf: QuantizedFunction | None = None
+    cfg = config
     score = -math.inf
     for k in range(limit + 1):
         kept = tuple(dataclasses.replace(fallback, pattern=f"^{re.escape(n)}$") for n in ranked[:k])
@@ -176,6 +181,7 @@ def sensitivity(
         sqnr,
         tuple(history),
         isolated,
+        cfg,
     )
 
 
