@@ -343,8 +343,9 @@ class Engine:
             table.update({p: self.passthrough_rule for p in PASS_THROUGH})
         table.update({p: self.custom_rule for p in C.CUSTOM_CALLS})
         table["custom_linear_solve"] = self.opaque_rule
-        if "jax.experimental.sparse" in sys.modules:  # (its primitives exist once imported)
-            table.update({p: self.sparse_rule for p in SPARSE})
+        sparse = sys.modules.get("jax.experimental.sparse")  # (its primitives: once imported)
+        if sparse is not None:
+            table.update({getattr(sparse, f"{p}_p"): self.sparse_rule for p in SPARSE})
         return table
 
     def coerce(self, v: Any) -> Any:
