@@ -32,7 +32,7 @@ def test_the_example_runs_end_to_end(tmp_path, capsys):
     assert results["W8"]["bytes_share"] < 0.35  # float norms and biases weigh more when tiny
     assert results["W4 GPTQ (emb int8)"]["bytes_share"] < results["W8"]["bytes_share"]
     out = capsys.readouterr().out
-    assert "greedy continuations" in out and "decode b8" in out
+    assert "greedy continuations" in out and "decode b1" in out  # (quick: batch 1 only)
 
 
 def test_a_kv_cache_decoder_under_nn_scan_is_quantized_per_layer():

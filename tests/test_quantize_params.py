@@ -101,13 +101,11 @@ def test_params_are_a_pytree_of_qarrays_shaped_like_the_float_params():
     np.testing.assert_array_equal(doubled["dense"][0]["kernel"].codes, kernels[0].codes)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_flax_serialization_saves_and_restores_quantized_params(bits):
-    """Flax users save params with ``flax.serialization``; its msgpack refused a QArray."""
+def test_flax_serialization_saves_and_restores_quantized_params():
+    """Flax users save params with ``flax.serialization``; its msgpack refused a QArray. (Packed
+    int4 codes with zero points, sums and activation scales: every field a QArray stores.)"""
     serialization = pytest.importorskip("flax.serialization")
-    config = QConfig(
-        weights=Scheme(bits=bits, symmetric=False), activations=Scheme(symmetric=False)
-    )
+    config = QConfig(weights=Scheme(bits=4, symmetric=False), activations=Scheme(symmetric=False))
     qf = Q(model, P, calibration=BATCHES, config=config, progress=False)
     data = serialization.to_bytes(qf.params)
     target = jax.tree.map(np.zeros_like, qf.params)
