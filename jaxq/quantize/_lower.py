@@ -204,9 +204,8 @@ class Engine:
         self.early_float: set[int] = set()
         self.float_reads: dict[str, list[int]] = {}  # a layer left float -> the leaves it reads
         self.custom_reads: dict[str, list[int]] = {}  # a custom_jvp / vjp call -> params entering
-        self.opaque: list[
-            str
-        ] = []  # the reasons of the opaque calls being re-bound, outermost first
+        # the reasons of the opaque calls (custom derivatives, solves) being re-bound, outermost first
+        self.opaque: list[str] = []
         # values made from a param leaf by equations a weight cannot pass (a reshape): by id,
         # the value (kept alive) and (leaf, primitive), for the reason its layer stays float
         # (None: a value of constants alone, which may go into such a weight)
@@ -769,10 +768,11 @@ class Engine:
                     "activation: stays float"
                 )
             elif concrete and refs and spec is not None:  # (LoRA's a @ b)
+                paths = ", ".join(dict.fromkeys(spec.paths[r] for r in refs))
                 self.skipped[name] = (
-                    f"both operands are params ({', '.join(dict.fromkeys(spec.paths[r] for r in refs))}): "
-                    "stays float. A weight computed from params (a LoRA update a @ b) is "
-                    "quantized merged: w + a @ b in the params before jaxq.quantize"
+                    f"both operands are params ({paths}): stays float. A weight computed from "
+                    "params (a LoRA update a @ b) is quantized merged: w + a @ b in the params "
+                    "before jaxq.quantize"
                 )
             elif concrete:
                 self.skipped[name] = "both operands constant"
