@@ -7,7 +7,7 @@ import collections
 import hypothesis.strategies as st
 import jax
 import numpy as np
-from hypothesis import given
+from hypothesis import example, given
 from strategies import programs
 
 import jaxq
@@ -107,3 +107,52 @@ def test_placement_random_programs(rp, data):
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.devices() == {jax.devices("cpu")[int(devices[k % 3][-1])]}
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+UNARY = {"sin": jax.numpy.sin, "tanh": jax.numpy.tanh, "cos": jax.numpy.cos}
+BINARY = {"add": jax.numpy.add, "mul": jax.numpy.multiply}
+
+
+@st.composite
+def dags(draw):
+    """A random DAG of elementwise ops: ``(op, operand, operand or None)`` per value, reading
+    earlier values (value 0 is the input)."""
+    plan = []
+    for i in range(draw(st.integers(4, 30))):
+        op = draw(st.sampled_from(sorted(UNARY) + sorted(BINARY)))
+        b = draw(st.integers(0, i)) if op in BINARY else None
+        plan.append((op, draw(st.integers(0, i)), b))
+    return plan
+
+
+# (merged, regions 12 and 22 of compiler "ca" formed a cycle with a merged region of "cb":
+# "cb"'s group took a new parent after its descendants had taken their restriction sets)
+_CYCLE = [
+    ("tanh", 0, None), ("sin", 1, None), ("mul", 2, 1), ("mul", 3, 0), ("tanh", 4, None),
+    ("cos", 2, None), ("mul", 2, 4), ("add", 4, 5), ("sin", 7, None), ("sin", 0, None),
+    ("cos", 2, None), ("mul", 6, 10), ("mul", 12, 8), ("add", 4, 1), ("cos", 2, None),
+    ("sin", 3, None), ("mul", 1, 10), ("cos", 13, None), ("add", 10, 7), ("mul", 9, 1),
+    ("mul", 10, 12), ("mul", 2, 5),
+]  # fmt: skip
+
+
+@given(dags())
+@example(_CYCLE)
+def test_merging_regions_of_random_dags_never_makes_a_cycle(plan):
+    def f(x):
+        v = [x]
+        for op, a, b in plan:
+            v.append(UNARY[op](v[a]) if b is None else BINARY[op](v[a], v[b]))
+        return v[len(v) // 2], v[-1]
+
+    _register((["sin", "add"], ["tanh", "mul"]))  # (cos: neither)
+    try:
+        x = np.linspace(-0.9, 0.8, 5, dtype=np.float32)
+        prog = jaxq.trace(f, x)
+        passes = [P.annotate_target(["A", "B"]), P.merge_compiler_regions(), P.partition_graph()]
+        out = Sequential(passes)(prog)
+        check_jaxpr(out.jaxpr.jaxpr)
+        _exact(out.as_fun()(x), prog.as_fun()(x))
+    finally:
+        for c in ("A", "B"):
+            P.unregister_compiler(c)
