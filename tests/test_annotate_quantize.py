@@ -461,6 +461,13 @@ def test_bad_arguments(kwargs, error, message):
         A.simulated_quantize(**kwargs)
 
 
+def test_a_numpy_integer_bit_width_is_an_int():
+    """bits=np.int32(8) (read from a config array) raised "bits must be an int"."""
+    np.testing.assert_array_equal(
+        A.simulated_quantize(X2, 0.5, bits=np.int32(4)), A.simulated_quantize(X2, 0.5, bits=4)
+    )
+
+
 def test_value_checks_skip_traced_scales():
     # A traced scale cannot be inspected; the wrapper must not try (calibration feeds tracers).
     y = jax.jit(lambda s, z: A.simulated_quantize(X2, s, z))(0.5, 1.0)

@@ -421,6 +421,13 @@ def test_a_misspelled_primitive_is_warned_about():
     support("A", "my_fused_kernel")  # (filterwarnings=error: no warning)
 
 
+def test_an_annotation_cannot_be_registered_as_supported():
+    """Registering simulated_quantize was accepted and never had an effect: annotations stay
+    between regions."""
+    with pytest.raises(ValueError, match="'simulated_quantize' is a jaxq annotation"):
+        P.register_op_support("A", "simulated_quantize")
+
+
 def test_unknown_compiler_is_a_clear_error():
     with pytest.raises(P.UnknownCompilerError, match="unknown compiler 'nope'"):
         P.annotate_target(["nope"])

@@ -9,6 +9,7 @@ leading dimensions of `x`: that is how batched scales are represented after `vma
 wrapper only lets users pass scalars or 1-D vectors along `axis`.
 """
 
+import numbers
 from typing import Any, Literal
 
 import jax
@@ -211,8 +212,10 @@ def simulated_quantize(
 ) -> jax.Array:
     """Fake-quantize `x`: quantize to `bits`-wide integers and dequantize again.
 
-    `q = clip(round(x / scale) + zero_point, qmin, qmax)`, result `(q - zero_point) * scale`, with
-    `(qmin, qmax)` from `quant_range(bits, signed, narrow_range)`.
+    `q = clip(round(x * (1 / scale)) + zero_point, qmin, qmax)`, result `(q - zero_point) * scale`,
+    with `(qmin, qmax)` from `quant_range(bits, signed, narrow_range)`: XLA divides by a broadcast
+    scale as a product with its reciprocal, eagerly too, so where `x / scale` is an exact tie in
+    float32 numpy's `round(x / scale)` may be one code apart.
 
     Granularity: scalar `scale` / `zero_point` quantize per tensor. With `axis`, they are scalars or
     1-D vectors of length `x.shape[axis]` (per channel). With `axis` and `group_size=g`, the
@@ -236,8 +239,9 @@ def simulated_quantize(
     x = as_array(x, "simulated_quantize")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"simulated_quantize: x must have a floating dtype; got {x.dtype}")
-    if not isinstance(bits, int) or isinstance(bits, bool):
+    if not isinstance(bits, numbers.Integral) or isinstance(bits, (bool, np.bool_)):
         raise TypeError(f"simulated_quantize: bits must be an int; got {bits!r}")
+    bits = int(bits)  # (a numpy integer too)
     if not 2 <= bits <= 16:
         raise ValueError(f"simulated_quantize: bits must be in [2, 16]; got {bits}")
     for name, flag in (("signed", signed), ("narrow_range", narrow_range)):

@@ -82,6 +82,12 @@ def register_op_support(compiler: str, primitive: Any, predicate: Predicate | No
         )
     if predicate is not None and not callable(predicate):
         raise TypeError(f"register_op_support: predicate must be callable; got {predicate!r}")
+    if is_annotation(name):
+        raise ValueError(
+            f"register_op_support: {name!r} is a jaxq annotation, which regions never hold "
+            "(annotate_target leaves annotations between regions); quantized code reaches a "
+            "compiler as the core ops jaxq.quantize realizes"
+        )
     misspelled(primitive, "register_op_support")
     _TABLE.setdefault(compiler, {})[name] = predicate
     if predicate is None:
