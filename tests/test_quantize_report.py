@@ -422,6 +422,8 @@ def test_a_typed_prng_key_among_the_params_is_counted():
     params = {"w": W0, "key": jax.random.key(0)}
     qf = jaxq.quantize(f, params, calibration=[(x,) for x in X], progress=False)
     report = qf.report(sample=(X[0],))
-    consts = sum(c.nbytes for c in qf.specialize(X[0]).jaxpr.consts)  # (jax.random's own)
-    assert report.param_bytes == qf.params["w"].nbytes + 8 + consts
+    # (jax.random's own constants are no parameters: a cache's zeros counted double a small
+    # model's bytes, more than its float params)
+    assert qf.specialize(X[0]).jaxpr.consts
+    assert report.param_bytes == qf.params["w"].nbytes + 8
     assert report.layers[0].status == "quantized"

@@ -92,7 +92,8 @@ class Report:
         usually a misspelt pattern.
       calibration: how activation scales were calibrated: ``method``, number of ``batches``,
         ``percentile``, and what GPTQ or smoothing did where used.
-      param_bytes: bytes of the quantized parameters (codes and scales).
+      param_bytes: bytes of the quantized parameters (codes and scales): the params' leaves
+        where the function takes params, else the program's constants (closed-over weights).
     """
 
     mode: str
@@ -233,9 +234,12 @@ def _float_param(state: Any, name: str) -> str | None:
 
 
 def param_bytes(program: Program, params: Any = None) -> int:
-    """Bytes of the program's constants plus those of ``params`` (QArrays count what they store)."""
-    consts = sum(_nbytes(c) for c in program.jaxpr.consts if hasattr(c, "shape"))
-    return int(consts + sum(_nbytes(x) for x in jax.tree.leaves(params, is_leaf=is_qarray)))
+    """Bytes of ``params`` (QArrays count what they store); without params, of the program's
+    constants (the closed-over weights). With params, the program's constants are no parameters:
+    a KV cache's zeros, a mask, a table of rotary angles."""
+    if params is not None:
+        return int(sum(_nbytes(x) for x in jax.tree.leaves(params, is_leaf=is_qarray)))
+    return int(sum(_nbytes(c) for c in program.jaxpr.consts if hasattr(c, "shape")))
 
 
 def _nbytes(x: Any) -> int:
