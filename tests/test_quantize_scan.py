@@ -581,6 +581,10 @@ def test_an_int8_kv_cache_is_carried_as_codes_and_scales():
     y = np.asarray(jax.jit(qf.apply)(qf.params, xs))
     np.testing.assert_allclose(y, np.asarray(sim(xs)), rtol=1e-5, atol=1e-5)
     assert sqnr_db(ref, y) > sqnr_db(ref, np.asarray(plain(xs))) - 1.0
+    # the report says so (it read the same with and without the option)
+    for f in (qf, sim):
+        assert f.report().kv_caches == (loop.name,) and loop.name in str(f.report())
+    assert plain.report().kv_caches == () and "KV cache" not in str(plain.report())
     with pytest.raises(QuantizeError, match="found no KV cache.*dynamic_update_slice"):
         Q(
             functools.partial(scanned, False),

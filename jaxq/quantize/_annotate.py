@@ -98,6 +98,7 @@ def annotate_program(
         act_act=dict(engine.act_act),
         matched_rules=frozenset(engine.matched),
         output=out.jaxpr,
+        kv_caches=tuple(engine.kv_caches),
     )
     # a layer left float (by a Rule, or by a scheme of its own) that reads a param another
     # layer quantizes: the params hold only that leaf's codes, so it computes with them

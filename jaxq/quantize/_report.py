@@ -94,6 +94,8 @@ class Report:
         ``percentile``, and what GPTQ or smoothing did where used.
       param_bytes: bytes of the quantized parameters (codes and scales): the params' leaves
         where the function takes params, else the program's constants (closed-over weights).
+      kv_caches: the loops (``lax.scan``) whose KV cache is carried as int8 codes with a scale
+        per vector (``QConfig(kv_cache=True)``).
     """
 
     mode: str
@@ -101,6 +103,7 @@ class Report:
     unmatched_rules: tuple[str, ...]
     calibration: dict[str, Any]
     param_bytes: int
+    kv_caches: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (what :meth:`to_json` writes)."""
@@ -110,6 +113,7 @@ class Report:
             "unmatched_rules": list(self.unmatched_rules),
             "calibration": dict(self.calibration),
             "param_bytes": self.param_bytes,
+            "kv_caches": list(self.kv_caches),
         }
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
@@ -213,6 +217,8 @@ class Report:
         lines += [fmt.format(*row).rstrip() for row in rows]
         if self.calibration:
             lines.append(f"calibration: {self.calibration}")
+        if self.kv_caches:
+            lines.append(f"KV cache int8 (a scale per vector) in: {', '.join(self.kv_caches)}")
         if self.unmatched_rules:
             lines.append("rules that matched nothing:")
             lines += [f"  {u}" for u in self.unmatched_rules]
@@ -458,6 +464,7 @@ def make_report(
         unmatched_rules=tuple(unmatched_rules(state.config, state.matched_rules, state.source)),
         calibration=dict(state.calibration),
         param_bytes=param_bytes(program, qparams),
+        kv_caches=state.kv_caches,
     )
 
 

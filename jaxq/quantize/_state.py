@@ -172,6 +172,8 @@ class QState:
     """GPTQ's ``X^T X`` per layer (params style: the codes are chosen by ``quantize_params``)."""
     output: Any = None
     """The jaxpr the last phase produced: a later phase given another program re-reads it."""
+    kv_caches: tuple[str, ...] = ()
+    """The loops whose float KV cache carries became int8 codes (``QConfig.kv_cache``)."""
 
     def replace(self, **changes: Any) -> QState:
         return dataclasses.replace(self, **changes)
