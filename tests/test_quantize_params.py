@@ -588,6 +588,28 @@ def test_quantized_apply_runs_inside_shard_map_without_vma_checks():
         check_vma=False,
     )
     np.testing.assert_allclose(np.asarray(jax.jit(run)(qf.params, x)), np.asarray(qf(x)), rtol=1e-6)
+    # the program traced for one shard's shape under that mesh is not reused under another
+    # mesh or under pmap (it raised "context mesh ... should match the aval mesh")
+    other = Mesh(np.array(jax.devices()[:4]), ("batch",))
+    specs = (PartitionSpec(), PartitionSpec("batch"))
+    run = shard_map(
+        qf.apply, mesh=other, in_specs=specs, out_specs=PartitionSpec("batch"), check_vma=False
+    )
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(qf.params, x)), np.asarray(qf(x)), rtol=1e-6)
+    y = jax.pmap(qf.apply, in_axes=(None, 0))(qf.params, x.reshape(4, 1, -1))
+    np.testing.assert_allclose(np.asarray(y).reshape(4, -1), np.asarray(qf(x)), rtol=1e-6)
+    # params split over the shards: one shard's slice of a weight is named, with the two ways
+    # (it said "trace it again for new shapes (jaxq.trace(...))")
+    split = jax.tree.map(lambda s: s.spec, jaxq.param_shardings(qf.params, other, "batch"))
+    run = shard_map(
+        qf.apply,
+        mesh=other,
+        in_specs=(split, PartitionSpec()),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
+    with pytest.raises(QuantizeError, match=r"'s codes are shaped \(12, 4\), not .*shard_map"):
+        jax.jit(run)(qf.params, x)
 
 
 def test_int4_codes_packed_along_their_channels_are_replicated():

@@ -33,7 +33,7 @@ from jaxq.quantize._lower import (
     source_inputs,
 )
 from jaxq.quantize._params import float_leaf, stack_qarrays, to_float, to_qarray, to_site
-from jaxq.quantize._qarray import QArray, is_qarray, register_flax_serialization
+from jaxq.quantize._qarray import QArray, is_qarray, packed_shape, register_flax_serialization
 from jaxq.quantize._realize import realize, realize_handler, realize_program
 from jaxq.quantize._report import (
     Report,
@@ -122,10 +122,13 @@ class QuantizedFunction:
         return self._state.params is not None
 
     def _key(self, tree: Any, specs: Any) -> Any:
-        """Shapes and dtypes (key<fry> too), and for integer code the lowering table in force
-        (an offload realizes for its backend's kernels)."""
+        """Shapes and dtypes (key<fry> too), the mesh in context (a program traced for one
+        shard under ``shard_map`` or ``pmap`` carries that mesh's axes in its types), and for
+        integer code the lowering table in force (an offload realizes for its backend's
+        kernels)."""
         shapes = tuple((tuple(s.shape), str(s.dtype)) for s in specs)
-        return tree, shapes, current_tuning() if self.mode == "realize" else None
+        tune = current_tuning() if self.mode == "realize" else None
+        return tree, shapes, jax.sharding.get_abstract_mesh(), tune
 
     def _key_of(self, program: Program) -> Any:
         avals = program.jaxpr.in_avals
@@ -245,6 +248,16 @@ class QuantizedFunction:
                         f"{who}: {path} is a QArray of shape {x.shape} ({x.bits} bits); expected "
                         f"shape {plan.shape} ({plan.scheme.bits} bits). Quantize these params with "
                         "qf.quantize_params(float_params)."
+                    )
+                codes = packed_shape(plan.shape) if plan.scheme.bits <= 4 else plan.shape
+                if tuple(np.shape(x.codes)) != tuple(codes):
+                    raise QuantizeError(
+                        f"{who}: {path}'s codes are shaped {tuple(np.shape(x.codes))}, not "
+                        f"{tuple(codes)}: a slice of the quantized weight (one shard's, inside "
+                        "shard_map), while its layer is planned for the whole weight. Replicate "
+                        "the params there (in_specs PartitionSpec()), or place them with "
+                        "jax.device_put(qf.params, jaxq.param_shardings(qf.params, mesh, axis)) "
+                        "and call jax.jit(qf.apply), which XLA partitions."
                     )
                 wrong = [
                     f"{k} is {np.dtype(leaf_dtype(v)).name}, not {want}"

@@ -37,9 +37,11 @@ def param_shardings(params: Any, mesh: Mesh, axis: str) -> Any:
     weight, else the output channels) that divides evenly and does not hold packed int4
     codes, everything else replicated.
 
-    ``jax.jit`` of ``qf.apply`` on params placed so needs no ``shard_map``. Inside one, pass
-    ``check_vma=False``: ``qf.apply`` re-binds a traced program, whose equations do not mark
-    replicated values as varying the way ``jax.numpy`` does when a function is traced there.
+    ``jax.jit`` of ``qf.apply`` on params placed so needs no ``shard_map``. Inside one (data
+    parallel: the params replicated, ``in_specs`` ``PartitionSpec()``; a layer is planned for its
+    whole weight, not a shard's slice), pass ``check_vma=False``: ``qf.apply`` re-binds a traced
+    program, whose equations do not mark replicated values as varying the way ``jax.numpy`` does
+    when a function is traced there.
     """
     if axis not in mesh.axis_names:
         raise ValueError(f"param_shardings: mesh has no axis {axis!r}; axes: {mesh.axis_names}")
