@@ -16,7 +16,7 @@ graph is wide.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxq import _compat as C
@@ -65,7 +65,7 @@ def _merge_groups(compiler: list[str], graph: NodeGraph) -> Callable[[int], int]
     empty: frozenset[int] = frozenset()
     restrict: list[Any] = [empty] * len(left)
 
-    def expand(ids: set[int], alive: bool) -> set[int]:
+    def expand(ids: Iterable[int], alive: bool) -> set[int]:
         """The groups of ``ids`` and, through their sets, every group reaching them through
         another compiler: all of them, or (``alive``) only those not frozen, the frozen ones
         standing for their sets."""
@@ -99,7 +99,7 @@ def _merge_groups(compiler: list[str], graph: NodeGraph) -> Callable[[int], int]
         if node < base:
             me = find(node)
             if same:
-                blocked = expand(set(live), alive=False)
+                blocked = expand(live, alive=False)
                 for p in sorted(same):
                     g = find(p)
                     if g == me or g in blocked:
