@@ -80,6 +80,15 @@ def test_entropy_is_not_ruled_by_a_relus_zeros():
     assert his[1] > 0.8 * his[0], his
 
 
+@pytest.mark.parametrize("values", [(0.0, 1.0), (3.0,), (0.0, 0.5, 1.0)])
+def test_entropy_keeps_the_range_of_discrete_values(values):
+    # (binary features, a constant, three levels: no threshold below the largest value loses
+    # less information, and the search skipped "no clipping" where its step missed the last bin)
+    x = RNG.choice(np.asarray(values, np.float32), size=5000, p=None)
+    lo, hi = observe([x]).value_range("entropy", Scheme(), 99.99)
+    assert hi >= max(values) and lo <= min(values), (lo, hi)
+
+
 def test_entropy_of_an_all_zero_input():
     # (a dead ReLU's input: bin 0 holds every value, and took bin 1's count, none)
     lo, hi = observe([np.zeros(1000, np.float32)]).value_range("entropy", Scheme(), 99.99)

@@ -158,7 +158,9 @@ class Observer:
             return last * self._radius() / nb
         best, best_i = math.inf, last
         step = max(1, (last - levels) // 256)
-        for i in range(levels, last + 1, step):
+        # (the last bin always: no clipping is a candidate, as in TensorRT's search; skipped, it
+        # left two-valued or constant inputs clipped to the first threshold, 1/8 of their range)
+        for i in sorted({*range(levels, last + 1, step), last}):
             p = ah[:i].copy()
             p[-1] += ah[i:].sum()
             nonzero = ah[:i] > 0
