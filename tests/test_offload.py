@@ -447,7 +447,7 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     x[1, :2] = [np.inf, -np.inf]
 
     def f(x, s):  # (as realize writes it; the scale an argument, as a QArray's is)
-        r = lax.round(x / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
+        r = lax.round(x * (1 / s), lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
         lo, hi = np.float32(info.min), np.float32(info.max)
         r = {"clamp": lambda: lax.clamp(lo, r, hi), "min_max": lambda: lax.min(lax.max(r, lo), hi),
              "max_min": lambda: lax.max(lax.min(r, hi), lo),
@@ -461,9 +461,9 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
 
 
 def test_a_quantize_by_a_constant_scale_rounds_near_ties_as_xla():
-    """XLA compiles ``x / s`` for a constant ``s`` (a calibrated activation scale) as
-    ``x * (1 / s)``; QuantizeLinear divides. At near-ties the two round apart (x / s =
-    85.49999 is 85, x * (1 / s) 86), so the exporter multiplies by the same reciprocal."""
+    """Realize quantizes ``x * (1 / s)``; QuantizeLinear divides. At near-ties the two round
+    apart (x / s = 85.49999 is 85, x * (1 / s) 86), so the exporter multiplies by the same
+    reciprocal, a constant or computed from a scale given at run time."""
     s = np.float32(0.0123)
     k = np.arange(-128, 127, dtype=np.float32)
     near = np.float32((k + 0.5) * s)[:, None]
@@ -472,13 +472,14 @@ def test_a_quantize_by_a_constant_scale_rounds_near_ties_as_xla():
     x = x.astype(np.float32).reshape(1, -1)
     assert (np.round(x / s) != np.round(x * (np.float32(1) / s))).any()  # (ties that differ)
 
-    def f(x):
-        r = lax.round(x / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(3)
+    def f(x, scale):
+        r = lax.round(x * (1 / scale), lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(3)
         return lax.clamp(np.float32(-128), r, np.float32(127)).astype(jnp.int8)
 
-    (got,), ops = run_onnx_ops(f, x)
-    np.testing.assert_array_equal(got, np.asarray(jax.jit(f)(x)))
-    assert "QuantizeLinear" in ops and "Round" not in ops
+    for fn, args in ((lambda x: f(x, s), (x,)), (f, (x, s))):  # (1 / s constant; computed)
+        (got,), ops = run_onnx_ops(fn, *args)
+        np.testing.assert_array_equal(got, np.asarray(jax.jit(fn)(*args)))
+        assert "QuantizeLinear" in ops and "Round" not in ops
 
     def g(x, scale, row):  # (a division by a broadcast value, computed at run time or not;
         x = x.reshape(-1, 5)  # by a value only reshaped, x[:1] / row, XLA divides)
@@ -587,7 +588,7 @@ def test_requantizing_convolutions_are_one_qlinearconv_within_one_step(
         z = z + b
         if batch_norm:  # (folded into QLinearConv's scales and bias)
             z = (z - mean) * gain + beta
-        q = lax.round(z / s, lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
+        q = lax.round(z * (1 / s), lax.RoundingMethod.TO_NEAREST_EVEN) + np.float32(zp)
         q = jnp.clip(q, -128, 127).astype(jnp.int8)
         bad = jnp.any(~jnp.isfinite(z), axis=(1, 2, 3))
         return jnp.maximum(q, np.int8(zp)), bad  # (ReLU on the codes, and the NaN rows)

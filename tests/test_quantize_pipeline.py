@@ -254,6 +254,27 @@ def test_weight_only_matches_simulated(bits):
     assert "int8" in str(r.program)
 
 
+@pytest.mark.parametrize("rounding", ["nearest_even", "half_up", "half_away_from_zero"])
+def test_activation_codes_at_exact_ties_are_the_same_realized_and_simulated(rounding):
+    # (float32 inputs with x / s exactly k + 1/2 but x * (1 / s) not: realize divided by its
+    # scale, given at run time, where simulate's was a constant XLA multiplied by the reciprocal)
+    k = 128
+    f = lambda p, x: x @ p["w"]
+    params = {"w": np.eye(k, dtype=np.float32)}  # (the output: the dequantized input codes)
+    calib = [(np.linspace(-2, 2, 2 * k, dtype=np.float32).reshape(2, k),)]
+    cfg = QConfig(activations=Scheme(symmetric=True, rounding=rounding))
+    r = jaxq.quantize(f, params, calibration=calib, config=cfg, progress=False)
+    s = jaxq.quantize(f, params, calibration=calib, config=cfg, mode="simulate", progress=False)
+    sa = np.float32(r.params["w"].act_scale)
+    half = np.float32((np.arange(-120, 120) + 0.5) * np.float64(sa))
+    near = (half[:, None] + np.arange(-4, 5) * np.spacing(half)[:, None]).astype(np.float32)
+    ties = near[(near / sa % 1 == 0.5) & (near * (1 / sa) != near / sa)]
+    assert ties.dtype == np.float32 and len(ties) >= 8
+    x = np.zeros((1, k), np.float32)
+    x[0, : min(len(ties), k)] = ties[:k]
+    np.testing.assert_array_equal(jax.jit(r.apply)(r.params, x), jax.jit(s.apply)(s.params, x))
+
+
 # ---- simulate mode ----------------------------------------------------------------------------------
 
 

@@ -93,12 +93,13 @@ def _fake_quant(
     """The value of `simulated_quantize`: its eager impl and its lowering, from core ops only."""
     del kind, ste  # metadata for passes and for the gradient; they do not change the value
     qmin, qmax = quant_range(bits, signed, narrow_range)
-    # jnp even for numpy inputs (eager calls): XLA divides by a broadcast scale as x * (1 / s),
-    # which numpy's correctly rounded divide differs from by one code at exact ties.
+    # x * (1 / s), not x / s: XLA compiles a division by a constant scale as that product but
+    # divides by one given at run time (realize's), one code apart at exact ties. jnp even for
+    # numpy inputs (eager calls), the same arithmetic as compiled.
     x, scale, zero_point = jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zero_point)
     s = _expand(scale, x.ndim, axis, group_size)
     zp = _expand(zero_point, x.ndim, axis, group_size)
-    q = clamp(_ROUND[rounding](x.astype(s.dtype) / s) + zp, qmin, qmax)
+    q = clamp(_ROUND[rounding](x.astype(s.dtype) * (1 / s)) + zp, qmin, qmax)
     return ((q - zp) * s).astype(x.dtype)
 
 
@@ -213,9 +214,9 @@ def simulated_quantize(
     """Fake-quantize `x`: quantize to `bits`-wide integers and dequantize again.
 
     `q = clip(round(x * (1 / scale)) + zero_point, qmin, qmax)`, result `(q - zero_point) * scale`,
-    with `(qmin, qmax)` from `quant_range(bits, signed, narrow_range)`: XLA divides by a broadcast
-    scale as a product with its reciprocal, eagerly too, so where `x / scale` is an exact tie in
-    float32 numpy's `round(x / scale)` may be one code apart.
+    with `(qmin, qmax)` from `quant_range(bits, signed, narrow_range)`: a product with the float32
+    reciprocal, eagerly too and in realized programs alike, so where `x / scale` is an exact tie
+    in float32 numpy's `round(x / scale)` may be one code apart.
 
     Granularity: scalar `scale` / `zero_point` quantize per tensor. With `axis`, they are scalars or
     1-D vectors of length `x.shape[axis]` (per channel). With `axis` and `group_size=g`, the

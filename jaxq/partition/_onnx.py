@@ -809,9 +809,9 @@ class _Exporter:
         return None
 
     def quantize_form(self, e: C.JaxprEqn) -> tuple[Any, Any, Any] | None:
-        """For realize's quantize, ``clamp(round(x / s) + zp, lo, hi)`` cast to 8 bits (through
-        int32 or not, clamped to the full range): ``x``, ``s`` and ``zp`` (None: no zero point).
-        None: not that pattern."""
+        """For realize's quantize, ``clamp(round(x * r) + zp, lo, hi)`` cast to 8 bits (through
+        int32 or not, clamped to the full range), ``r = 1 / s`` computed or constant: ``x``,
+        ``r`` and ``zp`` (None: no zero point). None: not that pattern."""
         to = np.dtype(e.params["new_dtype"])
         g = self.graph
         v = e.invars[0]
@@ -827,27 +827,38 @@ class _Exporter:
             i = 0 if g.made_by(add.invars[0], "round") else 1
             v, zp = add.invars[i], add.invars[1 - i]
         rnd = None if v is None else g.made_by(v, "round")
-        div = g.made_by(rnd.invars[0], "div") if rnd is not None else None
-        if div is None or int(rnd.params["rounding_method"]) != 1:  # type: ignore[union-attr]
+        mul = g.made_by(rnd.invars[0], "mul") if rnd is not None else None
+        if mul is None or int(rnd.params["rounding_method"]) != 1:  # type: ignore[union-attr]
             return None
-        x, scale = div.invars
-        scalars = [a for a in (scale, zp) if a is not None]
+        x, inverse = mul.invars
+        div = g.made_by(inverse, "div")
+        if self.value(inverse) is None and (div is None or not self.is_scalar(div.invars[0], 1)):
+            return None
+        scalars = [a for a in (inverse, zp) if a is not None]
         if any(shaped_aval(a).shape != () or shaped_aval(a).dtype != np.float32 for a in scalars):
             return None
-        return x, scale, zp
+        return x, inverse, zp
+
+    def inverse_value(self, inverse: Any) -> np.ndarray | None:
+        """The value of a quantize's ``1 / s`` (see quantize_form), where it is known."""
+        known = self.value(inverse)
+        if known is not None:
+            return known
+        s = self.value(self.graph.made_by(inverse, "div").invars[1])  # type: ignore[union-attr]
+        return None if s is None else np.float32(1) / s.astype(np.float32)
 
     def quantize_linear(self, e: C.JaxprEqn) -> str | None:
         """Realize's quantize (see quantize_form) as one ``QuantizeLinear``, which computes
         ``clamp(round(x / s), lo - zp, hi - zp) + zp``: the same integers for an integer zp (NaN
-        inputs give other codes, which realize's NaN rows override). ``x / s`` is written as
-        XLA computes it, ``x * (1 / s)`` (see reciprocal), and quantized with a scale of 1: a
+        inputs give other codes, which realize's NaN rows override). The product with the
+        reciprocal is written as realize computes it and quantized with a scale of 1: a
         division rounds near-ties apart (85.49999 against 86). Codes of int8 are recorded
         so that a dot's uint8 operand is the same node with its zero point moved by 128 (see
         shifted_u8). None: not that pattern."""
         form = self.quantize_form(e)
         if form is None:
             return None
-        x, scale, zp = form
+        x, inverse, zp = form
         to = np.dtype(e.params["new_dtype"])
         known = np.zeros((), np.float32) if zp is None else self.value(zp)
         if known is not None:
@@ -858,10 +869,15 @@ class _Exporter:
         else:
             zp_ref = self.name_of(zp)
             zp_name = self.node("Cast", [zp_ref], to=self.helper.np_dtype_to_tensor_dtype(to))[0]
-        src, s = self.name_of(x), self.name_of(scale)
-        inverse = self.reciprocal(scale, s, shaped_aval(x).shape)
-        if inverse is not None:
-            src, s = self.node("Mul", [src, inverse])[0], self.const(np.float32(1))
+        r = self.inverse_value(inverse)
+        if (
+            r is None
+        ):  # (1 / s as Reciprocal: ONNX Runtime's DivMulFusion turns x * (1 / s) to x / s)
+            div = self.graph.made_by(inverse, "div")
+            by = self.node("Reciprocal", [self.name_of(div.invars[1])])[0]  # type: ignore[union-attr]
+        else:
+            by = self.const(r.astype(np.float32))
+        src, s = self.node("Mul", [self.name_of(x), by])[0], self.const(np.float32(1))
         out = self.node("QuantizeLinear", [src, s, zp_name])[0]
         if to == np.int8:
             self.quantized[out] = (src, s, zp_ref)
@@ -1172,6 +1188,8 @@ class _Exporter:
         shape = shaped_aval(e.outvars[0]).shape
         if not shape or math.prod(shape[:-1]) > _SCALED_NORM_MAX_ROWS:
             return None
+        if self.graph.sole_user(e.outvars[0], "round") is not None:
+            return None  # (realize's quantize, x * (1 / s): see quantize_linear)
         for i in (0, 1):
             v = e.invars[i]
             norm = None if C.is_literal(v) else self.norms.get(v)
@@ -1437,10 +1455,10 @@ class _Exporter:
         users = g.readers.get(z, [])
         if g.count.get(z) != sum(u.invars.count(z) for u in users):
             raise _NoMatch("an output of the region")
-        divs = [u for u in users if u.primitive.name != "is_finite"]
-        if len(divs) != 1 or divs[0].primitive.name != "div" or divs[0].invars[0] is not z:
+        muls = [u for u in users if u.primitive.name != "is_finite"]
+        if len(muls) != 1 or muls[0].primitive.name != "mul" or muls[0].invars[0] is not z:
             raise _NoMatch("not read by one quantize")
-        chain, e = [divs[0]], divs[0]
+        chain, e = [muls[0]], muls[0]
         while not (
             e.primitive.name == "convert_element_type"
             and np.dtype(e.params["new_dtype"]) == np.int8
@@ -1452,13 +1470,13 @@ class _Exporter:
             chain.append(nxt)
             e = nxt
         form = self.quantize_form(e)
-        s = None if form is None else self.value(form[1])
+        r = None if form is None else self.inverse_value(form[1])
         zp = np.zeros(()) if form is None or form[2] is None else self.value(form[2])
-        if form is None or form[0] is not z or s is None or zp is None:
+        if form is None or form[0] is not z or r is None or zp is None:
             raise _NoMatch("not a quantize with constant scale and zero point")
-        if float(zp) != round(float(zp)) or not 0 <= float(zp) + 128 <= 255 or float(s) <= 0:
+        if float(zp) != round(float(zp)) or not 0 <= float(zp) + 128 <= 255 or float(r) <= 0:
             raise _NoMatch("a zero point off the uint8 range once shifted")
-        return chain, e, float(s), int(zp)
+        return chain, e, 1 / float(r), int(zp)
 
     def channel_affine(self, v: Any, n: int) -> tuple[list[C.JaxprEqn], np.ndarray, np.ndarray]:
         """The per-channel affine map ``v * gain + shift`` (last axis, ``n`` channels) that

@@ -70,7 +70,10 @@ def codes(x: jax.Array, scale: QParam, zp: QParam, scheme: Scheme) -> jax.Array:
     # jnp.clip's nested jit, not an inline clamp: with literal bounds XLA:CPU proved the codes'
     # range and widened a convolution fed by them to s32 x s32, off its int8 kernel (measured:
     # bench_quantize's CNN at batch 256, 79 ms against 7.7 ms)
-    return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) / scale) + zp, qmin, qmax)
+    # (times the scale's reciprocal, as documented: XLA compiles a division by a constant as
+    # that product but divides by a scale given at run time, one code apart at exact ties)
+    inverse = 1 / scale
+    return jnp.clip(_ROUND[scheme.rounding](x.astype(scale.dtype) * inverse) + zp, qmin, qmax)
 
 
 @jax.custom_jvp
