@@ -1299,6 +1299,9 @@ def test_a_python_flag_that_cannot_be_traced_says_to_bind_it():
     qf = Q(f, P, calibration=BATCHES, progress=False)
     with pytest.raises(jaxq.TraceError, match=r"Python values such as True too: bind flags"):
         qf(X, train=True)
+    # (the same flag in the calibration batches: quantize pointed at lax.cond only)
+    with pytest.raises(QuantizeError, match=r"Python values such as True too: bind flags"):
+        Q(f, P, calibration=[(X, True)], progress=False)
 
 
 def test_a_python_flag_among_the_params_is_named():

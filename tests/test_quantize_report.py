@@ -391,6 +391,21 @@ def test_an_attention_product_says_how_it_is_quantized_in_a_table_that_stays_nar
     assert quantized.endswith("quantized") and len(quantized) < 150  # (was padded to 320)
 
 
+@pytest.mark.parametrize("attention", [False, True])
+def test_a_resize_says_its_interpolation_matrix_is_computed_and_stays_float(attention):
+    """(jax.image.resize multiplies by matrices built from iota: the report said "both are
+    activations" and pointed at QConfig(attention=...), under which they were rounded to int8.)"""
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(12, 6)).astype(np.float32)}
+    f = lambda p, x: jax.image.resize(x, (x.shape[0], 12, 12), "bilinear") @ p["w"]
+    xs = [(rng.normal(size=(2, 4, 8)).astype(np.float32),)]
+    scheme = jaxq.Scheme(granularity="token") if attention else None
+    qf = jaxq.quantize(f, params, calibration=xs, config=jaxq.QConfig(attention=scheme))
+    rows = [r for r in qf.report().layers if r.status != "quantized"]
+    assert len(rows) == 2 and all("computed in f from constants alone" in r.status for r in rows)
+    assert not any("(both operands)" in str(r.activations) for r in qf.report().layers)
+
+
 def test_int8_attention_products_have_an_sqnr_and_a_mask_passes_them_over():
     """Q K^T and P V under ``QConfig(attention=...)``: the report gave them no SQNR (layer_sqnr
     had it), and a ``[batch, tokens]`` mask, which their ``[batch, heads, t, s]`` outputs cannot

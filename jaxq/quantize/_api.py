@@ -154,13 +154,9 @@ class QuantizedFunction:
             try:
                 source = prepare(trace(self._fun, *a, **k))
             except TraceError as e:
-                flags = [x for x in leaves if isinstance(x, (bool, str))]
-                if flags:
-                    raise TraceError(
-                        f"{e}\nA quantized function traces every argument, Python values such "
-                        f"as {flags[0]!r} too: bind flags and modes into f before quantizing "
-                        "it, e.g. jaxq.quantize(functools.partial(f, train=False), params, ...)"
-                    ) from e
+                hint = _flag_hint(leaves)
+                if hint:
+                    raise TraceError(f"{e}{hint}") from e
                 skip = 0 if spec is None else len(spec.avals)
                 was = [a.str_short() for a in self._state.source.jaxpr.in_avals[skip:]]
                 now = [short_type(x.dtype, x.shape) for x in specs]
@@ -682,6 +678,19 @@ def _inline_calls(program: Program) -> Program:
     return rewrite(program, dict.fromkeys(INLINE, inline), scope="quantize")
 
 
+def _flag_hint(leaves: Sequence[Any]) -> str:
+    """Where arguments hold Python flags (``train=False``), which jaxq traces like arrays: how
+    to bind them instead ("" where none does)."""
+    flags = [x for x in leaves if isinstance(x, (bool, str))]
+    if not flags:
+        return ""
+    return (
+        f"\nA quantized function traces every argument, Python values such as {flags[0]!r} "
+        "too: bind flags and modes into f before quantizing it, e.g. "
+        "jaxq.quantize(functools.partial(f, train=False), params, ...)"
+    )
+
+
 def _tensor_name(path: tuple[Any, ...]) -> str:
     """A param path as a tensor name: ``Dense_0/kernel.codes``."""
     name = ""
@@ -1027,6 +1036,7 @@ def quantize(
         raise QuantizeError(
             f"quantize: could not trace f with {given}, called as {call} (a batch is a tuple "
             f"of the arguments{held}{as_one}): {type(e).__name__}: {e}{flags}"
+            f"{_flag_hint(jax.tree.leaves(example))}"
         ) from e
     if params is not None and not _reads_params(program, len(jax.tree.leaves(params))):
         _warnings.warn(

@@ -139,7 +139,8 @@ def iteration_key(key: str, i: int, layer: bool) -> str:
 DERIVED = (
     *("sub", "div", "neg", "integer_pow", "square", "sqrt", "rsqrt", "abs", "exp", "log", "tanh"),
     *("max", "min", "select_n", "reduce_sum", "reduce_max", "reduce_min"),
-    *("gt", "ge", "lt", "le", "eq", "ne", "clamp", "pad", "dynamic_update_slice", "iota"),
+    *("gt", "ge", "lt", "le", "eq", "ne", "and", "or", "not", "clamp", "pad", "iota"),
+    "dynamic_update_slice",
     *("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max"),
 )
 """Equations whose result, computed from a param, is noted as derived from it: elementwise ones,
@@ -147,6 +148,10 @@ reductions (a weight normalized in f: weight standardization, Flax's WeightNorm)
 pruned or masked weight; ``iota``: a mask's positions, computed from no input). ``add`` and
 ``mul`` are opt-in sites and note it themselves."""
 COMPLEX_REASON = "complex operands: stays float (int8 codes hold real values)"
+COMPUTED_CONSTANT = (
+    "one operand is computed in f from constants alone, not a param (an interpolation matrix: "
+    "jax.image.resize): stays float"
+)
 LOOKUP = "a lookup in params"
 """How the reason of an embedding lookup left float (embeddings are opt-in) begins."""
 UNFOLLOWED = "its weight, params"
@@ -778,6 +783,8 @@ class Engine:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
                 self.skipped[name] = self.opaque[0] if self.opaque else LOOP_REASON
+            elif any(self.derived.get(id(v), (None, 0))[1] is None for v in raw):
+                self.skipped[name] = COMPUTED_CONSTANT
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)
             else:
