@@ -294,8 +294,16 @@ def test_bad_params_get_errors_that_name_the_path():
         qf.apply(P, X)
     with pytest.raises(QuantizeError, match=r"params\['head'\]\['kernel'\] is a QArray.*realize"):
         qs.apply({**P, "head": qf.params["head"]}, X)
-    with pytest.raises(QuantizeError, match="structure"):
+    # (the first difference in words: two printed trees hide a FrozenDict for a dict)
+    with pytest.raises(QuantizeError, match=r"params holds \['dense', 'scale', 'unused'\] where"):
         qf.quantize_params({k: v for k, v in P.items() if k != "head"})
+    from flax.core import FrozenDict
+
+    frozen = {**P, "head": FrozenDict(P["head"])}
+    with pytest.raises(QuantizeError, match=r"params\['head'\] is a FrozenDict where .* a dict"):
+        qf.quantize_params(frozen)
+    with pytest.raises(QuantizeError, match=r"params\['dense'\]\[1\] is a list where .* a dict"):
+        qf.quantize_params({**P, "dense": [P["dense"][0], [P["dense"][1]["weight"]]]})
     bad = copy.deepcopy(P)
     bad["dense"][1]["weight"] = np.zeros((16, 8), np.float32)
     with pytest.raises(

@@ -225,7 +225,8 @@ class QuantizedFunction:
         flat, tree = jax.tree.flatten(params, is_leaf=is_qarray)
         if tree != spec.tree:
             raise QuantizeError(
-                f"{who}: params do not have the structure f was quantized with.\n"
+                f"{who}: params do not have the structure f was quantized with "
+                f"({_first_difference(spec.tree, tree)}).\n"
                 f"  expected: {spec.tree}\n  got:      {tree}\n"
                 "Pass a pytree shaped like the params given to jaxq.quantize (qf.params is one)."
             )
@@ -676,6 +677,23 @@ def _inline_calls(program: Program) -> Program:
         return visit.inline(*invals)
 
     return rewrite(program, dict.fromkeys(INLINE, inline), scope="quantize")
+
+
+def _first_difference(want: Any, got: Any, path: str = "params") -> str:
+    """Where two pytree structures first differ, in words (a FrozenDict for a dict is easy to
+    miss in two printed trees)."""
+    w, g = want.node_data(), got.node_data()
+    name = lambda d: "a leaf" if d is None else f"a {d[0].__name__}"
+    if w is None or g is None or w[0] is not g[0]:
+        return f"{path} is {name(g)} where f was quantized with {name(w)}"
+    if w[1] != g[1] or len(want.children()) != len(got.children()):
+        keys = lambda d, t: list(d[1]) if isinstance(d[1], (list, tuple)) else len(t.children())
+        return f"{path} holds {keys(g, got)} where f was quantized with {keys(w, want)}"
+    names = w[1] if isinstance(w[1], (list, tuple)) and len(w[1]) == len(want.children()) else None
+    for i, (a, b) in enumerate(zip(want.children(), got.children(), strict=True)):
+        if a != b:
+            return _first_difference(a, b, f"{path}[{names[i]!r}]" if names else f"{path}[{i}]")
+    return "the same nodes, in another order"
 
 
 def _flag_hint(leaves: Sequence[Any]) -> str:
