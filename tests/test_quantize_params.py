@@ -288,6 +288,17 @@ def test_qat_gradient_reaches_every_param_and_equals_the_ste_reference():
 # ---- bad input ---------------------------------------------------------------------------------
 
 
+def test_an_empty_first_calibration_batch_is_passed_over():
+    # (f was traced at the empty batch: every layer empty, the model came back float, silently)
+    empty = (np.zeros((0, 12), np.float32),)
+    qf = Q(model, P, calibration=[empty, *BATCHES], progress=False)
+    want = realized()
+    for a, b in zip(jax.tree.leaves(qf.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(QuantizeError, match=r"every calibration batch \(2\) holds an empty"):
+        Q(model, P, calibration=[empty, empty], progress=False)
+
+
 def test_bad_params_get_errors_that_name_the_path():
     qf, qs = realized(), simulated()
     with pytest.raises(QuantizeError, match=r"params\['dense'\]\[0\]\['kernel'\] is a float array"):

@@ -973,13 +973,21 @@ def quantize(
                     f"quantize: max_batches must be a positive int; got {max_batches!r}"
                 )
             it = itertools.islice(it, max_batches)
-        try:
-            first = next(it)
-        except StopIteration:
+        # (f is traced with the first batch that holds data: traced at a size-0 batch, every
+        # layer is empty, nothing to quantize, and the model came back float without a word)
+        empty: list[Any] = []
+        for first in it:
+            if not any(np.size(x) == 0 for x in jax.tree.leaves(first) if hasattr(x, "shape")):
+                break
+            empty.append(first)
+        else:
             raise QuantizeError(
                 "quantize: the calibration data is empty; pass at least one tuple of arguments"
-            ) from None
-        batches = itertools.chain([first], it)
+                if not empty
+                else f"quantize: every calibration batch ({len(empty)}) holds an empty array (a "
+                "size-0 axis): nothing to calibrate; pass batches with data"
+            )
+        batches = itertools.chain(empty, [first], it)
     gptq = config.weight_calibration in ("gptq", "awq")
     smooth = config.smooths
     static = config.activations is not None or any(  # (a rule may give a layer activations)
