@@ -757,6 +757,26 @@ def test_float_ops_between_layers_round_differently_within_the_stated_bound():
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
 
 
+def test_a_dense_layer_per_position_after_a_convolution_reads_its_nan_rows_per_sample():
+    # (a time-series conv, then a dense layer on each step: ONNX Runtime failed to reshape the
+    # conv's per-sample NaN row [4, 1] to the dense layer's per-step rows [4, 6])
+    def f(p, x):
+        y = lax.conv_general_dilated(
+            x, p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        return jax.nn.relu(y) @ p["w"]
+
+    params = {"k": RNG.normal(size=(3, 2, 4)).astype(np.float32),
+              "w": RNG.normal(size=(4, 3)).astype(np.float32)}  # fmt: skip
+    xs = [RNG.normal(size=(4, 6, 2)).astype(np.float32) for _ in range(2)]
+    qf = jaxq.quantize(f, params, calibration=[(x,) for x in xs], progress=False)
+    x = xs[0].copy()
+    x[1, 2, 0] = np.nan  # (sample 1 is NaN throughout, as realize computes it)
+    want = np.asarray(qf(x))
+    np.testing.assert_array_equal(np.asarray(jax.jit(jaxq.offload(qf))(x)), want)
+    assert np.isnan(want[1]).all() and not np.isnan(want[[0, 2, 3]]).any()
+
+
 @pytest.mark.xla_cpu
 def test_a_realized_cnn_offloads_with_its_convolutions_and_pooling():
     rng = np.random.default_rng(1)

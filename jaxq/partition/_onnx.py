@@ -673,9 +673,13 @@ class _Exporter:
             fin = self.graph.made_by(neg.invars[0], "is_finite") if neg is not None else None
             if fin is not None and fin.invars[0] in self.finite_like:
                 nonfinite = self.nonfinite(fin.invars[0], p["axes"])
-                if nonfinite not in self.isnan_of:
-                    return [self.expand(nonfinite, out_aval.shape)]
-                return [self.reshape(nonfinite, out_aval.shape)]  # (the row has the out shape)
+                row = self.finite_like[fin.invars[0]]
+                kept = [] if row is None else list(shaped_aval(row).shape)
+                kept = [d for i, d in enumerate(kept) if i not in p["axes"]]
+                if nonfinite in self.isnan_of and math.prod(kept) == out_aval.size:
+                    return [self.reshape(nonfinite, out_aval.shape)]  # (the row has the out shape)
+                # (a coarser row: a convolution's per sample read per position by a dense layer)
+                return [self.expand(nonfinite, out_aval.shape)]
             if fin is not None:  # any(not finite(x)) as isnan(sum(x * 0)): two passes, not four
                 nan_row = self.zero_sum(fin.invars[0], p["axes"], out_aval.shape)
                 nonfinite = self.node("IsNaN", [nan_row])[0]
