@@ -50,6 +50,7 @@ TUNING = {
         s8_conv_min_channels=1,
         s8_pooled_conv_min_channels=1,
         conv_taps_max=0,
+        conv_im2col_bytes=(0, 0),
         pool_codes=True,
         weights_in_turn=False,
         weight_pieces=0,

@@ -59,9 +59,11 @@ def cnn(x):
             return h @ WC
 
 
-ROUTES = Tuning(float_carry_max_rows=1, s8_conv_min_channels=17)
-"""Pins realize's lowering choices (s8 convolutions from 17 output channels), so the tests of each
-route check it whatever the running jax's tuning entry chooses."""
+ROUTES = Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, conv_im2col_bytes=(0, 0))
+"""Pins realize's lowering choices (XLA's s8 convolutions from 17 output channels, no im2col dots),
+so the tests of each route check it whatever the running jax's tuning entry chooses."""
+IM2COL = dataclasses.replace(ROUTES, conv_im2col_bytes=(0, 4 << 20))
+"""The same, with convolutions of up to 4 MiB of windows as s8 dots."""
 
 
 def pinned(tuning=ROUTES):
@@ -924,8 +926,52 @@ def test_s8_convolution_with_zero_point_borders(pad, wasym):
     assert "preferred_element_type=int32" in str(r.program)
 
 
+@settings(max_examples=examples(6), deadline=None)
+@given(
+    st.tuples(st.integers(1, 3), st.integers(1, 3)),  # kernel
+    st.tuples(st.integers(1, 2), st.integers(1, 2)),  # strides
+    st.tuples(st.integers(1, 2), st.integers(1, 2)),  # dilation
+    st.sampled_from(["SAME", "VALID", ((1, 0), (2, -1))]),
+    st.integers(1, 5),  # input channels
+    st.booleans(),  # asymmetric weights
+    st.booleans(),  # the kernel a param (else closed over: zero-point borders by mask)
+    st.integers(0, 2**16),
+)
+def test_im2col_convolutions_give_the_s8_convolutions_integers(
+    kernel, strides, dilation, pad, c, wasym, as_param, seed
+):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2, 7, 6, c)).astype(np.float32)
+    w = (rng.normal(size=(*kernel, c, 3)) * 0.3).astype(np.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def f(p, v):
+        return lax.conv_general_dilated(
+            v, p, strides, pad, rhs_dilation=dilation, dimension_numbers=dn
+        )
+
+    cfg = QConfig(
+        weights=Scheme(granularity="channel", symmetric=not wasym),
+        activations=Scheme(symmetric=False),
+    )
+    outs, texts = [], []
+    for tuning in (ROUTES, IM2COL):  # (every convolution in s8: no f32 sums, no taps)
+        tuning = dataclasses.replace(tuning, s8_conv_min_channels=1, conv_taps_max=0)
+        with pinned(tuning):
+            qf = (
+                Q(f, w, calibration=[(x,)], config=cfg, progress=False)
+                if as_param
+                else Q(functools.partial(f, w), calibration=[(x,)], config=cfg, progress=False)
+            )
+            outs.append(np.asarray(qf(x)))
+            texts.append(str(qf.specialize(x)))
+    assert "= dot_general[" in texts[1] and "= dot_general[" not in texts[0]  # (the routes)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 @pytest.mark.xla_cpu
-def test_an_s8_convolution_after_a_requantize_keeps_int8_operands_when_compiled():
+@pytest.mark.parametrize("tuning", [ROUTES, IM2COL], ids=["conv", "im2col"])
+def test_an_s8_convolution_after_a_requantize_keeps_int8_operands_when_compiled(tuning):
     # realize's codes clamp through jnp.clip: with inline literal bounds XLA:CPU proved the
     # codes' range and compiled the next convolution as s32 x s32, off its int8 kernel (10x
     # slower: bench_quantize's CNN, weights closed over)
@@ -943,7 +989,9 @@ def test_an_s8_convolution_after_a_requantize_keeps_int8_operands_when_compiled(
             return lax.conv_general_dilated(x, k1, (1, 1), "SAME", dimension_numbers=dn)
 
     x = rng.random((64, 8, 8, 1)).astype(np.float32)
-    qf = Q(f, calibration=[(x,)], progress=False)
-    assert "preferred_element_type=int32" in str(qf.program)
-    hlo = jax.jit(qf).lower(x).compile().as_text()
-    assert "s8[3,3,32,64]" in hlo and "s32[3,3,32,64]" not in hlo  # (the weights stay int8)
+    with pinned(tuning):
+        qf = Q(f, calibration=[(x,)], progress=False)
+        assert "preferred_element_type=int32" in str(qf.program)
+        hlo = jax.jit(qf).lower(x).compile().as_text()
+    w = "3,3,32,64" if tuning is ROUTES else "288,64"  # (im2col: [window x C, O])
+    assert f"s8[{w}]" in hlo and f"s32[{w}]" not in hlo  # (the weights stay int8)

@@ -65,6 +65,17 @@ class Tuning:
     jax 0.12): at 1, 8 and 64 rows 3.4x, 1.6x and 1.5x float's time whole, 0.98x, 0.42x and 0.97x
     in pieces of 128 (64 and 256 within noise of it); on 0.10.2, 6.8x, 2.7x and 2.1x against
     0.84x, 0.48x and 1.04x. A lone layer shows no difference."""
+    conv_im2col_bytes: tuple[int, int] = (256 << 10, 4 << 20)
+    """Channels-last int8 convolutions (one group, no input dilation) whose windows' codes,
+    side by side, take this many bytes (from, to) run as one s8 dot on them (im2col) instead of
+    XLA's s8 convolution ((0, 0): never). Measured on a 2-core AVX2 machine, interleaved, f32
+    time over int8 time, int8 codes in and int32 sums out: 256 x 8 x 8, 3 x 3, 16 -> 32 (2.4 MB
+    of windows) 1.27x as an s8 convolution, 1.97x as a dot on jax 0.12 (1.11x, 1.41x on
+    0.10.2); 32 -> 64 1.16x, 1.18x (1.18x, 1.87x); 16 -> 16, whose s8 convolution takes 7x f32's
+    time, 1.05x as a dot (1.09x); 8 x 28 x 28, 128 -> 128 (7 MB) 1.38x, 1.35x (1.13x, 1.23x);
+    32 x 56 x 56, 64 -> 64 (58 MB) 1.32x, 0.55x (1.14x, 0.87x). In the digits CNN at batch 256
+    on jax 0.12, 0.95x float's speed against 0.83x; at batch 1 the windows' slices cost more
+    than they save (bench_quantize's CNN 0.87x against 1.01x), hence the lower bound."""
     s8_dot: bool = True
     """The platform's int8 x int8 -> int32 dot gives exact sums. XLA:GPU's did not for some
     shapes (jax 0.11.2 on an H200: a contraction of 3 run by cuBLAS, an 18 x 16 x 8 dot fused
