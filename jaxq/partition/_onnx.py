@@ -874,9 +874,8 @@ class _Exporter:
             zp_ref = self.name_of(zp)
             zp_name = self.node("Cast", [zp_ref], to=self.helper.np_dtype_to_tensor_dtype(to))[0]
         r = self.inverse_value(inverse)
-        if (
-            r is None
-        ):  # (1 / s as Reciprocal: ONNX Runtime's DivMulFusion turns x * (1 / s) to x / s)
+        if r is None:
+            # (1 / s as Reciprocal: ONNX Runtime's DivMulFusion turns x * Div(1, s) to x / s)
             div = self.graph.made_by(inverse, "div")
             by = self.node("Reciprocal", [self.name_of(div.invars[1])])[0]  # type: ignore[union-attr]
         else:
