@@ -674,9 +674,9 @@ class _Exporter:
             if fin is not None and fin.invars[0] in self.finite_like:
                 nonfinite = self.nonfinite(fin.invars[0], p["axes"])
                 row = self.finite_like[fin.invars[0]]
-                kept = [] if row is None else list(shaped_aval(row).shape)
-                kept = [d for i, d in enumerate(kept) if i not in p["axes"]]
-                if nonfinite in self.isnan_of and math.prod(kept) == out_aval.size:
+                shape = () if row is None else shaped_aval(row).shape
+                rows = math.prod(d for i, d in enumerate(shape) if i not in p["axes"])
+                if nonfinite in self.isnan_of and rows == out_aval.size:
                     return [self.reshape(nonfinite, out_aval.shape)]  # (the row has the out shape)
                 # (a coarser row: a convolution's per sample read per position by a dense layer)
                 return [self.expand(nonfinite, out_aval.shape)]

@@ -783,7 +783,7 @@ class Engine:
                 self.skipped[name] = "both operands constant"
             elif visit.path[:-1] not in self.inlined:
                 self.skipped[name] = self.opaque[0] if self.opaque else LOOP_REASON
-            elif any(self.derived.get(id(v), (None, 0))[1] is None for v in raw):
+            elif any(id(v) in self.derived and self.derived[id(v)][1] is None for v in raw):
                 self.skipped[name] = COMPUTED_CONSTANT
             elif visit.primitive == "dot_general" and config.attention is not None:
                 return self.act_act_rule(visit, raw, config.attention)

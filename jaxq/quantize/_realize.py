@@ -496,8 +496,9 @@ def _int_conv(
         _channels_last(dn)
         and p["feature_group_count"] == 1
         and all(d == 1 for d in lhs_dil)
-        and tune.conv_im2col_bytes[0] <= _im2col_bytes(wq.shape, out_shape)
-        and _im2col_bytes(wq.shape, out_shape) <= tune.conv_im2col_bytes[1]
+        and tune.conv_im2col_bytes[0]
+        <= _im2col_bytes(wq.shape, out_shape)
+        <= tune.conv_im2col_bytes[1]
     )
     # (as a dot, narrow channels run fast too: 16 -> 16 1.05x f32's speed, 0.14x as XLA's s8
     # convolution; before a pooling the f32 sums still fuse with it)
