@@ -9,8 +9,8 @@ and prints the ``jaxq.quantize.tuning`` entry the measurements imply next to the
 
     python benchmarks/bench_kernels.py [--json PATH] [--reps 60] [--models-only | --pieces-only]
 
-The table in ``jaxq/quantize/_tuning.py`` holds one entry per jaxlib version, chosen at import;
-paste a new version's printed entry there.
+The table in ``jaxq/quantize/_tuning.py`` holds one entry per jaxlib version and kind of CPU (with
+or without VNNI, printed here), chosen at import; paste a new version's printed entry there.
 """
 
 from __future__ import annotations
@@ -29,11 +29,23 @@ import numpy as np
 from jax import lax
 
 import jaxq
+from jaxq import _cpu
 from jaxq.quantize import Tuning, tuning
 from jaxq.transform import PassContext
 
 DN = ("NHWC", "HWIO", "NHWC")
-CONVS = ((4, 32), (8, 32), (16, 8), (16, 16), (16, 32), (32, 16), (32, 32), (64, 16), (64, 64))
+CONVS = (
+    (4, 32),
+    (8, 32),
+    (16, 8),
+    (16, 16),
+    (16, 32),
+    (32, 16),
+    (32, 32),
+    (32, 64),
+    (64, 16),
+    (64, 64),
+)
 """(input, output) channels of the measured convolutions: few on either side are the question."""
 
 
@@ -282,7 +294,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = one_row_models(rng, args.reps)
         if not args.models_only:
             rows += dots(rng, args.reps) + convs(rng, args.reps) + weight_pieces(rng, args.reps)
-    print(f"jax {jax.__version__}, jaxlib {jax.lib.__version__}; time / float time, paired medians")
+    vnni = _cpu.x86_vnni()
+    cpu = {True: "x86 with VNNI", False: "x86 without VNNI (AVX2)", None: "not told (not x86)"}
+    print(
+        f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, {cpu[vnni]}; time / float time, "
+        "paired medians"
+    )
     print(f"{'op':<6}{'shape':<26}{'float ms':>10}{'s8':>8}{'f32 carry':>11}{'s8 2 rows':>11}")
     for r in (r for r in rows if r["op"] != "w8"):
         dup = f"{r['s8 2 rows']['ratio']:>11.2f}" if "s8 2 rows" in r else ""  # (one row)
@@ -302,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry = {"weight_pieces": entry["weight_pieces"]}
     print(f"\nimplied entry: {entry}")
     print(f"in use:        {tuning()}")
-    out = {"jax": jax.__version__, "rows": rows, "implied": entry}
+    out = {"jax": jax.__version__, "vnni": vnni, "rows": rows, "implied": entry}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)

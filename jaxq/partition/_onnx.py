@@ -30,9 +30,7 @@ import hashlib
 import itertools
 import math
 import os
-import platform
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -40,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jaxq import _compat as C
+from jaxq import _cpu
 from jaxq._program import Program
 from jaxq.partition import _ort_ffi
 from jaxq.partition._backends import BackendError, callback_runner, register_backend, shaped_aval
@@ -182,13 +181,8 @@ def _u8s8_exact() -> bool:
     """Whether ONNX Runtime's uint8 x int8 kernels sum exactly on this machine. On x86 without
     VNNI they add pairs of products in int16 with saturation (``vpmaddubsw``: 255 * 127 * 2 >
     32767), seen as wrong sums on an AVX2 EPYC; VNNI's and ARM's kernels widen first."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return True
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False  # (unknown: the uint8 x uint8 kernels are exact everywhere)
-    return bool(flags & {"avx512_vnni", "avx_vnni"})
+    # (unknown x86: False, the uint8 x uint8 kernels are exact everywhere)
+    return not _cpu.is_x86() or bool(_cpu.x86_vnni())
 
 
 def _plain_divisor(v: Any) -> bool:

@@ -5,8 +5,10 @@ carried in float32 (bit-exact while they stay below 2**24). Which one is faster 
 about one XLA build, not about jaxq: the same s8 dot (256 x 1024 x 1024) takes 0.7x of f32's time
 on jax 0.10.2 and 0.33x on 0.12, and kernels that are slow in one build may not be in the next.
 ``benchmarks/bench_kernels.py`` measures the facts on the running jaxlib and prints the entry they
-imply; this table holds one entry per version, and the newest entry not newer than the running jax
-is used (the oldest for older versions). A GPU has an entry of its own (``GPU``).
+imply. The CPU matters too: x86 processors with VNNI run int8 dots and convolutions faster,
+relative to float, than those without (AVX2). This table holds one entry per version for each, and
+of the entries for this CPU, the newest not newer than the running jax is used (the oldest for
+older versions). A GPU has an entry of its own (``GPU``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import jax
 
 from jaxq import _compat as C
+from jaxq import _cpu
 from jaxq.transform import PassContext, register_config
 
 
@@ -83,21 +86,38 @@ class Tuning:
     chunks of the contracted axis."""
 
 
-TABLE: tuple[tuple[tuple[int, ...], Tuning], ...] = (
-    # (jax version measured on, its entry), 2-core AVX-512 VNNI, by benchmarks/bench_kernels.py.
+TABLE: tuple[tuple[tuple[int, ...], bool, Tuning], ...] = (
+    # (jax version measured on, VNNI, its entry), 2-core x86, by benchmarks/bench_kernels.py.
     # Convolutions: 16 -> 16 and 16 -> 8 run 3-7x slower in s8 than f32 on both versions, 32 -> 16
     # and 4 -> 32 do not. Followed by a max pooling, the f32 sums fuse with it and are faster at
-    # every measured width on 0.10.2; on 0.12 s8 still is from 17 channels. One-row matmuls: the
-    # three routes are within +-10% of each other in whole models at batch 1 (dispatch dominates),
-    # except that duplicating the row cost 1.9x in a 64-512-512-10 MLP with biases and constant
-    # weights on both versions: f32 sums, on both.
+    # every measured width on 0.10.2; on 0.12 s8 still is from 17 channels with VNNI. Without
+    # VNNI (an AVX2 EPYC) on 0.12, 16 -> 32 with its pooling took 1.35-1.39x float's time in s8
+    # and 0.96-0.99x in f32 sums, 32 -> 64 1.05x and 0.91x, 64 -> 64 0.80x and 0.89x: lone
+    # layers put the threshold at 33 or 65 alike, whole models at 65 (bench_quantize's CNN,
+    # 32 -> 64, at batch 256: 0.94x float's speed against 0.82x in s8; the main job's CNN,
+    # 16 -> 32, 1.07-1.09x against 0.95-0.97x). One-row
+    # matmuls: the three routes are within +-10% of each other in whole models at batch 1
+    # (dispatch dominates), except that duplicating the row cost 1.9x in a 64-512-512-10 MLP with
+    # biases and constant weights on both versions: f32 sums, on both.
     (
         (0, 10, 2),
+        True,
         Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, s8_pooled_conv_min_channels=65),
     ),
     (
         (0, 12, 0),
+        True,
         Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, s8_pooled_conv_min_channels=17),
+    ),
+    (
+        (0, 10, 2),
+        False,
+        Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, s8_pooled_conv_min_channels=65),
+    ),
+    (
+        (0, 12, 0),
+        False,
+        Tuning(float_carry_max_rows=1, s8_conv_min_channels=17, s8_pooled_conv_min_channels=65),
     ),
 )
 
@@ -130,15 +150,21 @@ def current_tuning() -> Tuning:
     return tuning() if given is None else given
 
 
-def tuning(version: tuple[int, ...] | None = None, platform: str | None = None) -> Tuning:
+def tuning(
+    version: tuple[int, ...] | None = None, platform: str | None = None, vnni: bool | None = None
+) -> Tuning:
     """The entry for ``version`` (default: the running jax) on ``platform`` (default: JAX's
-    default backend, where realize's program will run): :data:`GPU` on ``"gpu"``, else the newest
-    entry measured on a version not newer than ``version``, or the oldest for older versions."""
+    default backend, where realize's program will run): :data:`GPU` on ``"gpu"``, else of the
+    entries measured with (``vnni``; default: whether this CPU has it, assumed where it cannot
+    be told) or without VNNI, the newest measured on a version not newer than ``version``, or the
+    oldest for older versions."""
     if (jax.default_backend() if platform is None else platform) == "gpu":
         return GPU
     v = C.JAX_VERSION if version is None else tuple(version)
-    entry = TABLE[0][1]
-    for measured_on, t in TABLE:
+    with_vnni = _cpu.x86_vnni() is not False if vnni is None else vnni
+    entries = [(measured_on, t) for measured_on, vn, t in TABLE if vn == with_vnni]
+    entry = entries[0][1]
+    for measured_on, t in entries:
         if measured_on <= v:
             entry = t
     return entry
