@@ -95,10 +95,10 @@ TABLE: tuple[tuple[tuple[int, ...], bool, Tuning], ...] = (
     # and 0.96-0.99x in f32 sums, 32 -> 64 1.05x and 0.91x, 64 -> 64 0.80x and 0.89x: lone
     # layers put the threshold at 33 or 65 alike, whole models at 65 (bench_quantize's CNN,
     # 32 -> 64, at batch 256: 0.94x float's speed against 0.82x in s8; the main job's CNN,
-    # 16 -> 32, 1.07-1.09x against 0.95-0.97x). One-row
-    # matmuls: the three routes are within +-10% of each other in whole models at batch 1
-    # (dispatch dominates), except that duplicating the row cost 1.9x in a 64-512-512-10 MLP with
-    # biases and constant weights on both versions: f32 sums, on both.
+    # 16 -> 32, 1.07-1.09x against 0.95-0.97x). One-row matmuls: the three routes are within
+    # +-10% of each other in whole models at batch 1 (dispatch dominates), except that
+    # duplicating the row cost 1.9x in a 64-512-512-10 MLP with biases and constant weights on
+    # both versions: f32 sums, on both.
     (
         (0, 10, 2),
         True,
