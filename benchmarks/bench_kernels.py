@@ -295,7 +295,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.models_only:
             rows += dots(rng, args.reps) + convs(rng, args.reps) + weight_pieces(rng, args.reps)
     vnni = _cpu.x86_vnni()
-    cpu = {True: "x86 with VNNI", False: "x86 without VNNI (AVX2)", None: "not told (not x86)"}
+    cpu = {
+        True: "x86 with VNNI",
+        False: "x86 without VNNI (AVX2)",
+        None: "not told (not x86, or no /proc/cpuinfo)",
+    }
     print(
         f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, {cpu[vnni]}; time / float time, "
         "paired medians"

@@ -161,7 +161,7 @@ def tuning(
     if (jax.default_backend() if platform is None else platform) == "gpu":
         return GPU
     v = C.JAX_VERSION if version is None else tuple(version)
-    with_vnni = _cpu.x86_vnni() is not False if vnni is None else vnni
+    with_vnni = (_cpu.x86_vnni() is not False) if vnni is None else vnni
     entries = [(measured_on, t) for measured_on, vn, t in TABLE if vn == with_vnni]
     entry = entries[0][1]
     for measured_on, t in entries:
