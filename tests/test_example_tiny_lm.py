@@ -67,4 +67,10 @@ def test_a_kv_cache_decoder_under_nn_scan_is_quantized_per_layer():
     # cache and the later steps: close, not equal)
     assert sqnr_db(np.asarray(jax.jit(sim)(window)), got) > 30
     ref = np.asarray(jax.jit(fns["score"])(params, window))
-    assert np.mean(np.argmax(got, -1) == np.argmax(ref, -1)) > 0.9
+    assert sqnr_db(ref, got) > 25
+    # (untrained, many top-2 logits lie closer together than int8's error, where either order
+    # is right: 27 of 32 positions agreed on an H200, 31 on a CPU; where float's top-1 leads by
+    # more than twice the error, int8 picks it)
+    top2 = np.sort(ref, -1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * np.abs(got - ref).max(-1)
+    assert clear.mean() > 0.5 and (np.argmax(got, -1) == np.argmax(ref, -1))[clear].all()

@@ -460,6 +460,7 @@ def test_realize_quantize_is_one_quantize_linear_with_the_same_codes(
     assert "QuantizeLinear" in ops and "Round" not in ops
 
 
+@pytest.mark.xla_cpu
 def test_a_quantize_by_a_constant_scale_rounds_near_ties_as_xla():
     """Realize quantizes ``x * (1 / s)``; QuantizeLinear divides. At near-ties the two round
     apart (x / s = 85.49999 is 85, x * (1 / s) 86), so the exporter multiplies by the same
@@ -538,6 +539,7 @@ def test_rescaled_int8_dots_fuse_into_one_kernel_with_the_same_floats(
     assert fused == (zp_fits and not (wrong and cols.any()))
 
 
+@pytest.mark.xla_cpu
 @settings(max_examples=examples(20), deadline=None)
 @given(
     st.integers(1, 5),  # input channels

@@ -193,6 +193,7 @@ def test_a_broadcast_that_only_adds_unit_axes_is_one_reshape():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(f(x)))
 
 
+@pytest.mark.xla_cpu
 def test_identities_export_without_a_node():
     """``checkpoint_name`` (a remat policy's tag) had no rule: it split an offloaded region."""
     from jax.ad_checkpoint import checkpoint_name

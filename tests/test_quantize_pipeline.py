@@ -932,6 +932,7 @@ def test_s8_convolution_with_zero_point_borders(pad, wasym):
     assert "preferred_element_type=int32" in str(r.program)
 
 
+@pytest.mark.xla_cpu
 @settings(max_examples=examples(6), deadline=None)
 @given(
     st.tuples(st.integers(1, 3), st.integers(1, 3)),  # kernel
