@@ -263,6 +263,42 @@ def test_a_params_scales_agree_on_the_host_eagerly_and_compiled(method, granular
     np.testing.assert_array_equal(np.asarray(qf.params["w"].dequantize()), compiled)
 
 
+@pytest.mark.parametrize("granularity", ["channel", "group"])
+def test_quantize_compiles_two_programs_per_weight_shape(granularity):
+    """A process's first jaxq.quantize spent most of its time compiling: every operation that ran
+    eagerly on a new weight shape (copies to the device, a constant's reshape, a moveaxis) and
+    the dozen of an activation's scale were compiled one by one: 47 compiles for a 4-layer CNN,
+    11 now. Per weight shape: its scales and its fake-quantized value, one program each."""
+    import logging
+
+    rng = np.random.default_rng(5)
+    f = lambda p, x: jnp.tanh(x @ p["w0"]) @ p["w1"]  # noqa: E731
+    w = Scheme(bits=4, granularity="group", group_size=32) if granularity == "group" else Scheme()
+    cfg = QConfig(weights=w)
+
+    def model(hidden, out):  # (shapes no other test compiles for)
+        p = {"w0": rng.normal(size=(64, hidden)), "w1": rng.normal(size=(hidden, out))}
+        return {k: v.astype(np.float32) for k, v in p.items()}
+
+    x = rng.normal(size=(5, 64)).astype(np.float32)
+    jaxq.quantize(f, model(96, 7), calibration=[(x,)], config=cfg, progress=False)  # (shared)
+    compiled: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Finished XLA compilation"):
+                compiled.append(record.getMessage())
+
+    handler, logger = Count(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            jaxq.quantize(f, model(160, 9), calibration=[(x,)], config=cfg, progress=False)
+    finally:
+        logger.removeHandler(handler)
+    assert len(compiled) <= 1 + 2 * 2, compiled  # (calibration; two per weight shape)
+
+
 @pytest.mark.parametrize(
     "config",
     [

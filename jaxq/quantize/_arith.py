@@ -51,12 +51,18 @@ def range_to_qparams(lo: Any, hi: Any, scheme: Scheme) -> tuple[jax.Array, jax.A
     # (a range so small that its scale is subnormal, which XLA:CPU flushes to 0, takes the least
     # normal scale: its codes are coarser, not all 0; an empty range or a non-finite one takes 1)
     live = (hi > lo) & jnp.isfinite(scale)
-    scale = jnp.where(live, jnp.maximum(scale, jnp.float32(np.finfo(np.float32).tiny)), 1.0)
-    if scheme.symmetric:
-        zp = jnp.zeros_like(scale)
+    scale = jnp.where(live, jnp.maximum(scale, np.float32(np.finfo(np.float32).tiny)), 1.0)
+    if scheme.symmetric:  # (not zeros_like: a constant, which the host path would compile alone)
+        zp = scale * np.float32(0)
     else:
         zp = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
     return scale, zp
+
+
+host_range_to_qparams = jax.jit(range_to_qparams, static_argnums=2)
+"""``range_to_qparams`` as one compiled function per scheme, for ranges known on the host (an
+activation's calibrated range): run op by op, each of its dozen operations compiled on first use,
+which took a third of a second of every process's first ``jaxq.quantize``."""
 
 
 def reciprocal(n: int) -> np.float32:
@@ -332,7 +338,7 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
         c = len(extra) + [d for d in range(w.ndim) if d not in extra].index(site.channel_axis)
         vec = lambda v: xp.moveaxis(v, extra, front).reshape((*w.shape[: len(extra)], -1))
         y = simulated_quantize_p.bind(w, vec(qw.scale), vec(zp), axis=c, group_size=None, **params)
-        return jnp.moveaxis(y, front, extra)
+        return _moveaxis(y, front, extra)
     # group: channel axis moved to the front, so the [N, G] scale's leading dim lines up with it
     wt = xp.moveaxis(w, site.channel_axis, 0)
     assert qw.group_zero_point is not None  # quantize_weight sets it for granularity="group"
@@ -340,7 +346,15 @@ def fake_quant_weight(w: Any, qw: QWeight, site: Site) -> jax.Array:
     y = simulated_quantize_p.bind(
         wt, qw.group_scale, gzp, axis=1, group_size=s.group_size, **params
     )
-    return jnp.moveaxis(y, 0, site.channel_axis)
+    return _moveaxis(y, 0, site.channel_axis)
+
+
+def _moveaxis(y: Any, source: Any, destination: Any) -> Any:
+    """``moveaxis`` in numpy for a value known on the host (jnp's compiles for every new weight
+    shape), in the program for a traced one."""
+    if is_concrete(y):
+        return np.moveaxis(np.asarray(y), source, destination)
+    return jnp.moveaxis(y, source, destination)
 
 
 # ---- activations --------------------------------------------------------------------------------

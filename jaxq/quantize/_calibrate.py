@@ -21,7 +21,7 @@ from jaxq import _warnings
 from jaxq._program import Program
 from jaxq._walk import RewriteError, interpret
 from jaxq.quantize._annotate import check_sites, float_source
-from jaxq.quantize._arith import dequantized_weight, quantize_weight, range_to_qparams
+from jaxq.quantize._arith import dequantized_weight, host_range_to_qparams, quantize_weight
 from jaxq.quantize._awq import awq_factors
 from jaxq.quantize._config import CALIBRATIONS, INHERIT, QConfig
 from jaxq.quantize._lower import (
@@ -577,7 +577,7 @@ def calibrate_program(
                 "it will see",
                 UserWarning,
             )
-        scale, zp = range_to_qparams(lo, hi, scheme)
+        scale, zp = host_range_to_qparams(lo, hi, scheme)
         act[k] = ActParams(float(scale), int(zp))
     if negative:
         _warnings.warn(

@@ -340,13 +340,15 @@ def to_qarray(
         sums = codes.astype(np.int64).sum(axis=plan.sum_axes, keepdims=True).astype(np.int32)
     if act is None:
         plan = dataclasses.replace(plan, act_site=None)
+    # (jax.device_put: jnp.asarray of a host array compiles a copy for every new shape, about
+    # 20 ms each, four per weight)
     return plan.qarray(
-        jnp.asarray(pack_int4(codes) if s.bits <= 4 else codes),
-        jnp.asarray(scale),
-        jnp.asarray(zp),
-        None if sums is None else jnp.asarray(sums),
-        None if act is None else jnp.float32(act.scale),
-        None if act is None else jnp.int32(act.zero_point),
+        jax.device_put(pack_int4(codes) if s.bits <= 4 else codes),
+        jax.device_put(scale),
+        jax.device_put(zp),
+        None if sums is None else jax.device_put(sums),
+        None if act is None else jax.device_put(np.float32(act.scale)),
+        None if act is None else jax.device_put(np.int32(act.zero_point)),
     )
 
 
@@ -356,16 +358,16 @@ def stack_qarrays(plan: LeafPlan, layers: Sequence[QArray], acts: Sequence[Any])
     stack = lambda vs: None if vs[0] is None else np.stack([np.asarray(v) for v in vs])
     codes = np.stack([np.asarray(q.int_codes()) for q in layers])
     per_layer = lambda v: (
-        None if v is None else jnp.asarray(v.reshape(plan._stack(plan.scale_shape())))
+        None if v is None else jax.device_put(v.reshape(plan._stack(plan.scale_shape())))
     )
     sums = stack([q.sums for q in layers])
     return plan.qarray(
-        jnp.asarray(pack_int4(codes) if plan.scheme.bits <= 4 else codes),
+        jax.device_put(pack_int4(codes) if plan.scheme.bits <= 4 else codes),
         per_layer(stack([q.scale for q in layers])),
         per_layer(stack([q.zero_point for q in layers])),
-        None if sums is None else jnp.asarray(sums),
-        jnp.asarray([a.scale for a in acts], jnp.float32) if acts else None,
-        jnp.asarray([a.zero_point for a in acts], jnp.int32) if acts else None,
+        None if sums is None else jax.device_put(sums),
+        jax.device_put(np.asarray([a.scale for a in acts], np.float32)) if acts else None,
+        jax.device_put(np.asarray([a.zero_point for a in acts], np.int32)) if acts else None,
     )
 
 
