@@ -854,7 +854,7 @@ def test_a_model_that_fixes_its_batch_saves_at_its_shapes_and_says_why(tmp_path)
         return (x.reshape(6, 3, 4).sum(1) @ p["w"]).reshape(6, -1)  # (6: the batch, fixed)
 
     qf = Q(f, {"w": P["dense"][0]["kernel"][:4]}, calibration=BATCHES, progress=False)
-    with pytest.warns(UserWarning, match="runs only at the traced shapes: the model does not"):
+    with pytest.warns(UserWarning, match="runs only at the traced shapes: no leading dimension"):
         saved = qf.save(tmp_path / "fixed.jaxq")
     loaded = jaxq.load(saved)
     np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(jax.jit(qf)(X)))
@@ -864,6 +864,30 @@ def test_a_model_that_fixes_its_batch_saves_at_its_shapes_and_says_why(tmp_path)
         r"float32\[3,12\] \(axis 0 is fixed at 6\)",
     ):
         loaded(X[:3])
+
+
+def test_save_finds_the_batch_beside_other_arguments(tmp_path):
+    """LoRA adapters as an argument: save took the first argument leaf's leading dimension as the
+    batch (an adapter's, or the input's together with an adapter's of the same size), failed,
+    and saved at the traced shapes, warning that the model "does not run with a symbolic
+    batch". It tries the other leading dimensions and each argument alone."""
+    w = {"w": P["dense"][0]["kernel"]}  # (12 -> 16)
+    lora = {"a": np.full((12, 2), 0.1, np.float32), "b": np.full((2, 16), 0.1, np.float32)}
+    x12 = RNG.normal(size=(12, 12)).astype(np.float32)  # (batch 12, as lora["a"]'s rows)
+
+    def before(p, lora, x):
+        return x @ p["w"] + (x @ lora["a"]) @ lora["b"]
+
+    def beside(p, x, lora):
+        return before(p, lora, x)
+
+    for f, batch in ((before, (lora, X)), (beside, (x12, lora))):
+        qf = Q(f, w, calibration=[batch], progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loaded = jaxq.load(qf.save(tmp_path / f"{f.__name__}.jaxq"))
+        small = tuple(v[:3] if v is X or v is x12 else v for v in batch)
+        np.testing.assert_allclose(loaded(*small), qf(*small), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -1188,6 +1212,26 @@ def test_a_weight_computed_from_params_is_named_not_called_an_activation(form, p
     if primitive == "add":  # (the LoRA update a @ b itself said "both operands constant")
         (update,) = [lay for lay in qf.report().layers if lay.name == "dot_general"]
         assert update.status.startswith("both operands are params (['a'], ['b'])")
+
+
+@pytest.mark.parametrize("form", ["add", "sub"])
+def test_a_weight_updated_by_run_time_values_is_named_not_called_an_activation(form):
+    """QLoRA written x @ (w + a @ b) with the adapters an argument: w stayed float with no
+    warning, and the report blamed "no weight operand (both are activations ...)". A bias add
+    (the param broadcast up to an activation's shape) is still an activation."""
+    w = {"w": P["dense"][0]["kernel"], "bias": np.zeros(16, np.float32)}
+    lora = {"a": np.full((12, 2), 0.01, np.float32), "b": np.full((2, 16), 0.01, np.float32)}
+    op = jnp.add if form == "add" else jnp.subtract
+
+    def f(p, lora, x):
+        h = jnp.tanh(x @ op(p["w"], lora["a"] @ lora["b"]) + p["bias"])
+        return h @ p["w"].T  # (w itself, quantized here)
+
+    with pytest.warns(UserWarning, match=rf"through {form} with run-time values\)"):
+        qf = Q(f, w, calibration=[(lora, BATCHES[0][0])], progress=False)
+    (layer,) = [lay for lay in qf.report().layers if "reaches it through" in lay.status]
+    assert "x @ w + (x @ a) @ b" in layer.status and "['w']" in layer.status
+    assert isinstance(qf.params["w"], jaxq.QArray)  # (the other layer's)
 
 
 def test_an_input_gradient_inside_f_says_why_its_backward_layers_stay_float():

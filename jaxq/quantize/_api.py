@@ -574,14 +574,19 @@ class QuantizedFunction:
                 self.program.in_tree, list(self.program.jaxpr.in_avals)
             )
             args = args[1:] if self._with_params else args
-            try:
-                program = self._program_at(*_batch_polymorphic(tuple(args), kwargs))
-                _check_runs(program, tuple(args), kwargs)
-                fixed = None
-            except Exception as e:  # (the model fixes its batch: a reshape, a constant, ...)
+            errors: list[str] = []
+            for batched in _batch_choices(tuple(args), kwargs):
+                try:
+                    program = self._program_at(*_batch_polymorphic(tuple(args), kwargs, batched))
+                    _check_runs(program, tuple(args), kwargs, batched)
+                    fixed = None
+                    break
+                except Exception as e:  # (the model fixes its batch: a reshape, a constant, ...)
+                    errors.append(f"{type(e).__name__}: {e}".splitlines()[0][:200])
+            else:
                 program = self._program_at(tuple(args), kwargs)
-                why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-                fixed = f"the model does not run with a symbolic batch ({why})"
+                why = errors[0] if errors else "no argument has a leading dimension"
+                fixed = f"no leading dimension of its arguments runs as a symbolic batch ({why})"
                 _warnings.warn(
                     f"save: {os.fspath(path)!r} runs only at the traced shapes: {fixed}. Save "
                     "at the shapes you will call it with: qf.save(path, x)",
@@ -616,9 +621,12 @@ class QuantizedFunction:
         return f"<jaxq.QuantizedFunction {self.__name__} mode={self.mode}{style}>"
 
 
-def _check_runs(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Export ``program`` (traced with a symbolic batch) and run it one row larger than traced:
-    a model whose reshapes pin the batch traces with a symbol, then fails at any other size."""
+def _check_runs(
+    program: Program, args: tuple[Any, ...], kwargs: dict[str, Any], batched: list[bool]
+) -> None:
+    """Export ``program`` (traced with a symbolic batch in the ``batched`` argument leaves) and
+    run it one row larger than traced: a model whose reshapes pin the batch traces with a
+    symbol, then fails at any other size."""
     closed = program.jaxpr
     big = {
         i: c
@@ -633,37 +641,44 @@ def _check_runs(program: Program, args: tuple[Any, ...], kwargs: dict[str, Any])
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     big_specs = {i: jax.ShapeDtypeStruct(c.shape, c.dtype) for i, c in big.items()}
     exported = jax.export.export(jax.jit(run))(big_specs, *specs)
-    n = _batch_size(args, kwargs)
-
-    def zeros(a: Any) -> jax.Array:
-        grow = len(a.shape) and a.shape[0] == n
-        return jnp.zeros((n + 1, *a.shape[1:]) if grow else a.shape, a.dtype)
-
-    flat = jax.tree.leaves((jax.tree.map(zeros, args), jax.tree.map(zeros, kwargs)))
+    leaves = jax.tree.leaves((args, kwargs))
+    flat = [
+        jnp.zeros((a.shape[0] + 1, *a.shape[1:]) if grow else a.shape, a.dtype)
+        for a, grow in zip(leaves, batched, strict=True)
+    ]
     jax.block_until_ready(exported.call(big, *flat))
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The leading dimension of the first argument that has one: the batch, presumably."""
-    sizes = [a.shape[0] for a in jax.tree.leaves((args, kwargs)) if len(a.shape)]
-    if not sizes:
-        raise ValueError("no argument has a batch dimension")
-    return int(sizes[0])
+def _batch_choices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[bool]]:
+    """Which argument leaves carry the batch, in the order save tries them (at most six): all
+    whose leading dimension is the first leaf's, then each other size's; then each argument's
+    leaves alone (an input beside adapter matrices of the same leading size: f(p, x, lora))."""
+    lead = [a.shape[0] if len(a.shape) else None for a in jax.tree.leaves((args, kwargs))]
+    choices = [[d == n for d in lead] for n in dict.fromkeys(d for d in lead if d is not None)]
+    start = 0
+    for arg in (*args, *(kwargs[k] for k in sorted(kwargs))):  # (the order leaves flatten in)
+        n = len(jax.tree.leaves(arg))
+        own = [d for d in lead[start : start + n] if d is not None]
+        if own:
+            one = [start <= i < start + n and d == own[0] for i, d in enumerate(lead)]
+            if one not in choices:
+                choices.append(one)
+        start += n
+    return choices[:6]
 
 
-def _batch_polymorphic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Specs of the arguments with one symbolic ``batch`` for every leading dimension equal to
-    the first argument's."""
-    n = _batch_size(args, kwargs)
+def _batch_polymorphic(
+    args: tuple[Any, ...], kwargs: dict[str, Any], batched: list[bool]
+) -> tuple[Any, Any]:
+    """Specs of the arguments with one symbolic ``batch`` as the leading dimension of the
+    ``batched`` leaves."""
     (batch,) = jax.export.symbolic_shape("batch")
-
-    def spec(a: Any) -> jax.ShapeDtypeStruct:
-        shape = tuple(a.shape)
-        if shape and shape[0] == n:
-            shape = (batch, *shape[1:])
-        return jax.ShapeDtypeStruct(shape, a.dtype)
-
-    return jax.tree.map(spec, (args, kwargs))
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    specs = [
+        jax.ShapeDtypeStruct((batch, *a.shape[1:]) if b else tuple(a.shape), a.dtype)
+        for a, b in zip(leaves, batched, strict=True)
+    ]
+    return jax.tree.unflatten(tree, specs)
 
 
 def _inline_calls(program: Program) -> Program:

@@ -155,6 +155,8 @@ COMPUTED_CONSTANT = (
 LOOKUP = "a lookup in params"
 """How the reason of an embedding lookup left float (embeddings are opt-in) begins."""
 UNFOLLOWED = "its weight, params"
+WITH_RUNTIME = " with run-time values"
+"""Noted after the primitive of a weight computed from a param and values f computes."""
 """How the reason of a layer whose weight param reaches it through an equation quantization
 does not follow (a reshape) begins."""
 NO_WEIGHT_REASON = (
@@ -274,8 +276,17 @@ class Engine:
             or isinstance(v, (np.ndarray, np.generic, int, float))
             or (isinstance(v, jax.Array) and is_concrete(v))
         )
-        if isinstance(out, (list, tuple)) or not all(own(v) for v in invals):
+        if isinstance(out, (list, tuple)):
             return out
+        if not all(own(v) for v in invals):
+            # A param combined with run-time values into a value of the param's own shape is a
+            # weight built in f (a LoRA update merged on the fly, w + a @ b), not an activation
+            # plus a bias, which broadcasts the param up to the activation's shape
+            base = [v for v in invals if isinstance(v, WeightRef) or id(v) in self.derived]
+            shape = np.shape(out)
+            if not base or len(shape) < 2 or np.shape(to_float(base[0])) != shape:
+                return out
+            primitive = f"{primitive}{WITH_RUNTIME}"
         leaf = next((v.leaf for v in invals if isinstance(v, WeightRef)), None)
         origin = (leaf, primitive) if leaf is not None else self._origin(invals)
         # (origin None: computed from constants alone, which jit traces like any value)
@@ -867,6 +878,12 @@ class Engine:
                 "A stack of layers sliced per layer: run it with lax.scan over the stacked "
                 "params (lax.scan(body, x, params), nn.scan), whose layers are quantized, or "
                 "keep one param per layer"
+            )
+        elif primitive.endswith(WITH_RUNTIME):
+            fix = (
+                "A weight updated in f by values it computes or takes as arguments (a LoRA "
+                "update, w + a @ b): apply the update as a layer of its own, x @ w + (x @ a) @ b, "
+                "whose w is quantized, or merge it into the params before jaxq.quantize"
             )
         elif primitive in FOLDABLE:
             fix = (
