@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from strategies import examples
 
@@ -864,6 +865,22 @@ def test_a_model_that_fixes_its_batch_saves_at_its_shapes_and_says_why(tmp_path)
         r"float32\[3,12\] \(axis 0 is fixed at 6\)",
     ):
         loaded(X[:3])
+
+
+def test_an_int8_convolution_run_as_one_dot_saves_with_a_symbolic_batch(tmp_path):
+    """Realize's choice of one s8 dot on a convolution's windows (im2col) compared their bytes, a
+    symbolic number under a polymorphic export, with its bounds: the trace failed and save fell
+    back to the traced batch (W8A8 CNNs). With the batch unknown it takes the s8 convolution."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    p = {"w": (RNG.normal(size=(3, 3, 16, 16)) * 0.1).astype(np.float32)}
+    f = lambda p, x: lax.conv_general_dilated(x, p["w"], (1, 1), "SAME", dimension_numbers=dn)
+    x = RNG.normal(size=(4, 24, 24, 16)).astype(np.float32)  # (windows: 324 KiB, in range)
+    qf = Q(f, p, calibration=[(x,)], progress=False)
+    assert "= dot_general[" in str(qf.specialize(x))  # (im2col at the traced batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = jaxq.load(qf.save(tmp_path / "conv.jaxq"))
+    np.testing.assert_array_equal(np.asarray(loaded(x[:2])), np.asarray(jax.jit(qf)(x[:2])))
 
 
 def test_save_finds_the_batch_beside_other_arguments(tmp_path):

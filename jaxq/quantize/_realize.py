@@ -357,7 +357,7 @@ def _conv_as_dot(x: jax.Array, w: jax.Array, p: Any, padding: Any) -> jax.Array:
     return lax.dot_general(cols, w.reshape(-1, w.shape[-1]), dn, preferred_element_type=jnp.int32)
 
 
-def _im2col_bytes(w_shape: tuple[int, ...], out_shape: Any) -> int:
+def _im2col_bytes(w_shape: tuple[int, ...], out_shape: Any) -> Any:
     """Bytes of the int8 windows :func:`_conv_as_dot` writes (channels-last shapes)."""
     return math.prod(out_shape[:-1]) * math.prod(w_shape[:-1])
 
@@ -492,13 +492,13 @@ def _int_conv(
     a_shape = a.codes.shape if isinstance(a, QTensor) else a.shape
     c_in, c_out = a_shape[dn.lhs_spec[1]], wq.shape[dn.rhs_spec[0]]
     min_channels = tune.s8_pooled_conv_min_channels if pooled else tune.s8_conv_min_channels
+    windows = _im2col_bytes(wq.shape, out_shape)  # (symbolic under a polymorphic export)
     im2col = (
         _channels_last(dn)
         and p["feature_group_count"] == 1
         and all(d == 1 for d in lhs_dil)
-        and tune.conv_im2col_bytes[0]
-        <= _im2col_bytes(wq.shape, out_shape)
-        <= tune.conv_im2col_bytes[1]
+        and isinstance(windows, int)
+        and tune.conv_im2col_bytes[0] <= windows <= tune.conv_im2col_bytes[1]
     )
     # (as a dot, narrow channels run fast too: 16 -> 16 1.05x f32's speed, 0.14x as XLA's s8
     # convolution; before a pooling the f32 sums still fuse with it)
