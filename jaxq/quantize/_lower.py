@@ -282,8 +282,8 @@ class Engine:
             # A param combined with run-time values into a value of the param's own shape is a
             # weight built in f (a LoRA update merged on the fly, w + a @ b), not an activation
             # plus a bias, which broadcasts the param up to the activation's shape
-            base = [v for v in invals if isinstance(v, WeightRef) or id(v) in self.derived]
-            shape = np.shape(out)
+            base = [v for v in invals if isinstance(v, WeightRef) or self._origin([v])]
+            shape = np.shape(out)  # (not a value of constants alone: a cache of zeros updated)
             if not base or len(shape) < 2 or np.shape(to_float(base[0])) != shape:
                 return out
             primitive = f"{primitive}{WITH_RUNTIME}"
