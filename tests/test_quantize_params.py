@@ -1250,6 +1250,14 @@ def test_a_weight_updated_by_run_time_values_is_named_not_called_an_activation(f
     assert "x @ w + (x @ a) @ b" in layer.status and "['w']" in layer.status
     assert isinstance(qf.params["w"], jaxq.QArray)  # (the other layer's)
 
+    def cached(p, x):  # (a cache in params written at run time is no weight)
+        return x @ lax.dynamic_update_slice(p["cache"], x * 2.0, (0, 0)).T
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qc = Q(cached, {"cache": np.zeros((6, 12), np.float32)}, calibration=BATCHES[:1])
+    assert qc.report().layers[0].status.startswith("no weight operand")
+
 
 def test_an_input_gradient_inside_f_says_why_its_backward_layers_stay_float():
     """A PINN's residual differentiates the net by its input inside f: the backward pass reads

@@ -279,12 +279,18 @@ class Engine:
         if isinstance(out, (list, tuple)):
             return out
         if not all(own(v) for v in invals):
-            # A param combined with run-time values into a value of the param's own shape is a
+            # A param plus (or times) run-time values into a value of the param's own shape is a
             # weight built in f (a LoRA update merged on the fly, w + a @ b), not an activation
-            # plus a bias, which broadcasts the param up to the activation's shape
+            # plus a bias, which broadcasts the param up to the activation's shape. (Not a value
+            # of constants alone, nor a param written with dynamic_update_slice: a KV cache.)
             base = [v for v in invals if isinstance(v, WeightRef) or self._origin([v])]
-            shape = np.shape(out)  # (not a value of constants alone: a cache of zeros updated)
-            if not base or len(shape) < 2 or np.shape(to_float(base[0])) != shape:
+            shape = np.shape(out)
+            if (
+                primitive not in ("add", "sub", "mul")
+                or not base
+                or len(shape) < 2
+                or np.shape(to_float(base[0])) != shape
+            ):
                 return out
             primitive = f"{primitive}{WITH_RUNTIME}"
         leaf = next((v.leaf for v in invals if isinstance(v, WeightRef)), None)
