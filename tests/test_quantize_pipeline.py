@@ -932,6 +932,39 @@ def test_s8_convolution_with_zero_point_borders(pad, wasym):
     assert "preferred_element_type=int32" in str(r.program)
 
 
+@pytest.mark.parametrize("layout", ["transposed", "NCHW"])
+def test_convolutions_xla_runs_slowly_in_s8_carry_their_sums_in_f32_chunks(layout):
+    """A transposed convolution (input dilation: nn.ConvTranspose) and an NCHW one whose sums pass
+    f32's exact range ran XLA:CPU's s8 convolution, 10-25x slower than float (helper: 144 ms
+    against 7 ms); their sums are carried in f32 chunks, added in int32, as on a GPU."""
+    rng = np.random.default_rng(21)
+    c = 64  # (9 taps x 64 channels x 255 x 127 > 2**24: not exact in one f32 sum)
+    if layout == "NCHW":  # (centered activation codes reach 128: twice the channels)
+        c = 128
+        dn, x, w = (
+            ("NCHW", "OIHW", "NCHW"),
+            rng.normal(size=(2, c, 6, 6)),
+            rng.choice([-1.0, 1.0], size=(8, c, 3, 3)),  # (every code at 127)
+        )
+        f = lambda x: lax.conv_general_dilated(x, w * 0.1, (1, 1), "SAME", dimension_numbers=dn)
+    else:
+        dn, x, w = (
+            ("NHWC", "HWIO", "NHWC"),
+            rng.normal(size=(2, 6, 6, c)),
+            rng.normal(size=(3, 3, c, 24)),
+        )
+        f = lambda x: lax.conv_general_dilated(  # noqa: E731
+            x, w * 0.1, (1, 1), ((2, 2), (2, 2)), lhs_dilation=(2, 2), dimension_numbers=dn
+        )
+    x = x.astype(np.float32)
+    cfg = QConfig(activations=Scheme(symmetric=False))
+    with pinned():
+        r, s = both(f, [(x,)], cfg)
+        program = str(r.specialize(x))
+    assert "preferred_element_type=int32" not in program and "conv_general_dilated" in program
+    np.testing.assert_allclose(np.asarray(r(x)), np.asarray(s(x)), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.xla_cpu
 @settings(max_examples=examples(6), deadline=None)
 @given(
