@@ -155,10 +155,10 @@ COMPUTED_CONSTANT = (
 LOOKUP = "a lookup in params"
 """How the reason of an embedding lookup left float (embeddings are opt-in) begins."""
 UNFOLLOWED = "its weight, params"
-WITH_RUNTIME = " with run-time values"
-"""Noted after the primitive of a weight computed from a param and values f computes."""
 """How the reason of a layer whose weight param reaches it through an equation quantization
 does not follow (a reshape) begins."""
+WITH_RUNTIME = " with run-time values"
+"""Noted after the primitive of a weight computed from a param and values f computes."""
 NO_WEIGHT_REASON = (
     "no weight operand (both are activations; a weight passed as an argument must be in params: "
     "jaxq.quantize(f, params, ...))"
